@@ -1,0 +1,39 @@
+# One path from README to CI: every target sets up what it needs.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup run test test-fast bench train-agent eval browser-deps clean
+
+$(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	$(PYTHON) -m pip install -q --no-deps -r requirements-nodeps.txt
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian's chromium for the browser tests (Playwright's own download cannot work here).
+browser-deps:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+run: setup
+	$(PYTHON) -m app serve
+
+test: setup browser-deps
+	$(PYTHON) -m pytest -q
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow and not browser"
+
+bench: setup
+	$(PYTHON) bench/run_all.py
+
+train-agent: setup
+	$(PYTHON) -m app train-agent
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,95 @@
+"""The Environment protocol: a stateful set of tools behind one `call` boundary.
+
+Errors come back as results (`ToolResult(error=True)`), as a real API would answer;
+bugs in our own code still raise.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Tool:
+    """One callable tool as the model sees it."""
+
+    name: str
+    """Unique name within an environment, e.g. `mv`."""
+    description: str
+    """Short, useful description (preambles removed)."""
+    parameters: dict[str, Any]
+    """JSON schema of the arguments (`{"type": "object", "properties": ..., "required": ...}`)."""
+    response: dict[str, Any] | None = None
+    """JSON schema of the response, when the tool documents one."""
+    read_only: bool = False
+    """True when calling it never changes state: safe to shadow-execute on a fork."""
+    env_class: str = ""
+    """The environment class that owns the tool, e.g. `GorillaFileSystem`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ToolResult:
+    """What one tool call returned."""
+
+    output: Any
+    """JSON-able result; for errors `{"error": "..."}`."""
+    error: bool = False
+    """True when the call failed (unknown tool, bad arguments, the tool raised or returned an error)."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A stateful set of tools. One instance per episode; `fork()` for shadow execution."""
+
+    def tools(self) -> list[Tool]:
+        """The tools the agent may call now."""
+        ...
+
+    def call(self, name: str, args: dict[str, Any]) -> ToolResult:
+        """Execute one call. Never raises for bad input: returns `ToolResult(error=True)`."""
+        ...
+
+    def fork(self) -> "Environment":
+        """An independent deep copy; calls on it never touch this environment."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """Public state (JSON-able), for diffs and success checks."""
+        ...
+
+
+@dataclass
+class TurnCheck:
+    """The verdict on one user turn, BFCL-style."""
+
+    success: bool
+    state_ok: bool = True
+    response_ok: bool = True
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Task:
+    """A multi-turn task: user turns, environment setup, ground truth, budget."""
+
+    id: str
+    """`<suite>:<task id>`, e.g. `bfcl:multi_turn_base_12`."""
+    category: str
+    """e.g. `multi_turn_base`."""
+    turns: list[list[dict[str, str]]]
+    """User messages per turn (`{"role": "user", "content": ...}`); a turn may be empty (miss_func)."""
+    env_classes: list[str]
+    """Environment classes the task uses."""
+    initial_config: dict[str, Any] = field(default_factory=dict)
+    """Initial state per class."""
+    excluded_functions: list[str] = field(default_factory=list)
+    """Tools hidden from the agent for this task."""
+    ground_truth: list[list[str]] | None = None
+    """Ground-truth call strings per turn, e.g. `mv(source='a', destination='b')`."""
+    max_steps_per_turn: int = 8
+    """Step budget for each user turn."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Suite-specific data (e.g. BFCL's `missed_function`)."""

@@ -1,0 +1,79 @@
+"""The model interface the engine sees: two roles (act, rehearse) and scoring.
+
+Kept free of torch so that the CLI and UI import fast; backends implement `Policy`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class Prompt:
+    """A chat prompt plus an optional prefill of the assistant's reply."""
+
+    messages: list[dict[str, str]]
+    """Chat messages (`role` in system/user/assistant/tool, `content`)."""
+    prefill: str = ""
+    """Text the assistant's reply is forced to start with (part of the reply, not generated)."""
+
+
+@dataclass
+class Generation:
+    """One generated continuation."""
+
+    text: str
+    """The reply, including the prefill, up to and including a stop string; no EOS token text."""
+    token_logprobs: list[float] = field(default_factory=list)
+    """Log-probability of each generated token (prefill excluded) under the sampling-free model."""
+    finished: bool = True
+    """False when the token budget ran out before a stop string or EOS."""
+    sampled: bool = False
+    """False for the greedy candidate."""
+
+    @property
+    def logprob(self) -> float:
+        return float(sum(self.token_logprobs))
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / max(1, len(self.token_logprobs))
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 96
+    temperature: float = 0.8
+    """For sampled candidates; the primary candidate is always greedy."""
+    top_p: float = 0.95
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    """Generation of a row ends after any of these strings (or at EOS)."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """One set of weights, two roles. Backends batch internally; callers never see batches."""
+
+    name: str
+    """The model spec this policy was built from, e.g. `embedded`."""
+
+    def act(self, prompt: Prompt, k: int, config: GenerationConfig) -> list[Generation]:
+        """K candidates for one prompt: index 0 greedy, 1..K-1 sampled (seeded)."""
+        ...
+
+    def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """One greedy prediction per prompt (the tool's response)."""
+        ...
+
+    def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
+        """Per-token log-probabilities of each continuation after its prompt (+ prefill)."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens in a piece of text under this model's tokenizer."""
+        ...
+
+    @property
+    def context_window(self) -> int:
+        ...
