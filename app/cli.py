@@ -1,0 +1,180 @@
+"""Command line: `python -m app tasks | run | serve`.
+
+Each command opens resources, calls one library function, formats the result. User
+errors become one line on stderr and exit status 2, never a traceback. Heavy imports
+(torch, transformers) happen inside commands so `--help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from app.config import DEFAULT_MODEL, DEFAULT_TASK, default_db_path
+from app.records import MODES, REHEARSAL_CONTEXTS, SELECTORS
+
+log = logging.getLogger("app")
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit status 2."""
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default="parallel", help="test-time rehearsal mode")
+    p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel) or attempts (sequential)")
+    p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
+    p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen read-only calls")
+    p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
+                   help="what the Rehearse role sees besides the call")
+    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
+                   help="`required` makes every step a tool call")
+    p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory")
+    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description="EnvACE Inspector: run and inspect "
+                                     "tool-using agents that rehearse their tool calls.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tasks", help="list task ids", description="List task ids.")
+    p.add_argument("--category", default=None, help="e.g. multi_turn_base, multi_turn_miss_param")
+    p.add_argument("--split", choices=("train", "heldout"), default=None, help="the multi_turn_base split")
+    p.set_defaults(func=cmd_tasks)
+
+    p = sub.add_parser("run", help="run one episode step by step",
+                       description="Run one episode of a task and store it in SQLite.")
+    p.add_argument("--task", default=DEFAULT_TASK, help="task id, e.g. bfcl:multi_turn_base_0")
+    _add_run_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the step-by-step account")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="start the web inspector", description="Start the Gradio app.")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind")
+    p.add_argument("--port", type=int, default=7860, help="port")
+    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from app import envs
+
+    try:
+        ids = envs.list_tasks(args.category, args.split)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print("\n".join(ids))
+    return 0
+
+
+def load_task_or_fail(task_id: str):
+    from app import envs
+
+    try:
+        return envs.load_task(task_id)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def load_policy_or_fail(spec: str, adapter: str | None):
+    import model_backend
+
+    try:
+        return model_backend.load_policy(spec, adapter=adapter)
+    except (ValueError, ImportError, FileNotFoundError) as exc:
+        raise UserError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+
+
+def settings_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from app.records import RunSettings
+
+    try:
+        return RunSettings(mode=args.mode, branches=1 if args.mode == "none" else args.branches,
+                           selector=args.selector, seed=args.seed, temperature=args.temperature,
+                           shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
+                           tool_choice=args.tool_choice, max_steps_per_turn=args.max_steps)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(f"--{'-'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    task = load_task_or_fail(args.task)  # before the model: a typo costs nothing
+    policy = load_policy_or_fail(args.model, args.adapter)
+
+    from app.engine import EpisodeRunner, episode_json, format_step
+    from app.store import Recorder, Store, StoreError
+
+    db_path = args.db or default_db_path()
+    try:
+        store = Store(db_path)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    recorder = Recorder(store)
+    runner = EpisodeRunner(task, policy, settings, model=args.model, adapter=args.adapter, on_step=recorder)
+    recorder.start(runner.episode)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"Episode {runner.episode.id}: {task.id} | model {args.model} | mode {settings.mode} "
+          f"K={settings.branches} selector {settings.selector} seed {settings.seed}", file=out)
+    last_turn = -1
+    try:
+        for step in runner.run():
+            if step.turn != last_turn:
+                last_turn = step.turn
+                user = " ".join(m["content"] for m in task.turns[step.turn]) or "(no new message)"
+                print(f"Turn {step.turn + 1}: {user[:200]}", file=out)
+            print(format_step(step), file=out, flush=True)
+            if runner.turn > step.turn:
+                t = runner.episode.turn_results[-1]
+                print(f" turn {t.turn + 1}: {'success' if t.success else 'failure'} "
+                      f"(state {'ok' if t.state_ok else 'differs'}, response {'ok' if t.response_ok else 'missing'})",
+                      file=out)
+    except KeyboardInterrupt:
+        runner.stop()
+    try:
+        recorder.flush(runner.episode)
+    except StoreError as exc:
+        raise UserError(f"{exc} ({len(recorder.pending)} step(s) not saved)") from None
+    ep = runner.episode
+    print(f"Episode {ep.id}: success={ep.success} external_calls={ep.external_calls} "
+          f"shadow_calls={ep.shadow_calls} rehearsals={ep.rehearsals} (saved to {db_path})", file=out)
+    if args.json:
+        print(json.dumps(episode_json(ep), ensure_ascii=False, default=str))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.ui import build_demo
+
+    demo = build_demo(db_path=args.db or default_db_path())
+    demo.queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+

@@ -1,0 +1,70 @@
+"""Plain views of an episode for the CLI and for JSON output (no engine logic here)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.records import Branch, Episode, Step
+
+
+def branch_json(b: Branch) -> dict[str, Any]:
+    return {
+        "index": b.index, "kind": b.kind, "action_text": b.action_text,
+        "call": b.call.model_dump() if b.call else None, "parse_error": b.parse_error,
+        "sampled": b.sampled, "predicted": b.predicted, "predicted_text": b.predicted_text,
+        "actual": b.actual, "actual_source": b.actual_source, "actual_error": b.actual_error,
+        "chosen": b.chosen, "scores": b.scores, "metrics": b.metrics.model_dump(),
+        "duplicates": b.duplicates,
+    }
+
+
+def step_json(s: Step) -> dict[str, Any]:
+    return {"index": s.index, "turn": s.turn, "kind": s.kind, "chosen": s.chosen,
+            "rehearsals": s.rehearsals, "shadow_calls": s.shadow_calls,
+            "external_calls": s.external_calls, "duration_s": s.duration_s,
+            "branches": [branch_json(b) for b in s.branches]}
+
+
+def episode_json(ep: Episode) -> dict[str, Any]:
+    """The `run --json` object: at least episode_id, task, success, steps, and the three counters."""
+    return {
+        "episode_id": ep.id, "task": ep.task_id, "model": ep.model, "adapter": ep.adapter,
+        "settings": ep.settings.model_dump(), "status": ep.status, "success": ep.success,
+        "turn_results": [t.model_dump() for t in ep.turn_results],
+        "external_calls": ep.external_calls, "shadow_calls": ep.shadow_calls,
+        "rehearsals": ep.rehearsals, "steps": [step_json(s) for s in ep.steps],
+    }
+
+
+def _short(value: Any, limit: int = 110) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_branch(b: Branch) -> list[str]:
+    mark = "*" if b.chosen else " "
+    if b.kind == "call" and b.call:
+        head = f"{b.call.name}({_short(b.call.arguments, 80)})"
+    elif b.kind == "answer":
+        head = f"answer: {_short(b.action_text, 80)}"
+    else:
+        head = f"parse error: {b.parse_error}"
+    scores = " ".join(f"{k}={v:.3f}" for k, v in b.scores.items())
+    lines = [f"  {mark} b{b.index} {head}" + (f"  [{scores}]" if scores else "")
+             + (f"  (+{b.duplicates} dup)" if b.duplicates else "")]
+    if b.predicted_text is not None:
+        lines.append(f"      predicted: {_short(b.predicted if b.predicted is not None else b.predicted_text)}")
+    if b.actual_source:
+        lines.append(f"      actual ({b.actual_source}): {_short(b.actual)}")
+    m = b.metrics
+    if m.json_valid is not None:
+        lines.append(f"      exact={m.exact} field_f1={m.field_f1} error_agree={m.error_agree} "
+                     f"surprise={m.surprise}")
+    return lines
+
+
+def format_step(s: Step) -> str:
+    head = (f" step {s.index} (turn {s.turn + 1}): {len(s.branches)} branch(es), {s.rehearsals} rehearsed, "
+            f"{s.shadow_calls} shadow, {s.duration_s:.1f}s")
+    return "\n".join([head] + [line for b in s.branches for line in format_branch(b)])

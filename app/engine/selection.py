@@ -1,0 +1,74 @@
+"""Scoring branches and choosing the one to commit.
+
+Selectors (DESIGN.md): `judge` (the model's own P("yes") that the rehearsed outcome
+advances the task), `logprob` (the Act role's mean token log-probability), `memory`
+(the rehearsals are shown to the policy, which writes the committed call). A branch whose
+rehearsal predicts an error is penalised under every selector: foreseeing that failure
+is what rehearsal is for.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from app.divergence import is_error
+from app.formats import HistoryItem, call_text, judge_prompt
+from app.records import Branch
+from model_backend.base import Policy
+
+PREDICTED_ERROR_PENALTY = 0.5
+"""Subtracted when the rehearsal predicts an error (scores are probabilities or mean log-probs)."""
+PARSE_ERROR_SCORE = -10.0
+"""Below any real score: a malformed action is committed only when every branch is malformed."""
+
+
+def branch_summary(branch: Branch) -> str:
+    if branch.kind == "call" and branch.call is not None:
+        return call_text(branch.call)
+    if branch.kind == "answer":
+        return f"reply to the user: {branch.action_text.strip()[:300]}"
+    return branch.action_text[:300]
+
+
+def judge_scores(policy: Policy, request: str, history: list[HistoryItem],
+                 branches: list[Branch]) -> list[float]:
+    """P(yes) per branch from one batched scoring pass (two continuations per branch)."""
+    prompts, conts = [], []
+    for b in branches:
+        predicted: Any = b.predicted if b.kind == "call" else "(the turn ends)"
+        p = judge_prompt(request, history, branch_summary(b), predicted)
+        prompts += [p, p]
+        conts += ["yes", "no"]
+    logprobs = policy.score(prompts, conts) if prompts else []
+    out = []
+    for i in range(len(branches)):
+        yes, no = sum(logprobs[2 * i]), sum(logprobs[2 * i + 1])
+        top = max(yes, no)
+        out.append(math.exp(yes - top) / (math.exp(yes - top) + math.exp(no - top)))
+    return out
+
+
+def apply_scores(branches: list[Branch], selector: str, raw: list[float]) -> None:
+    """Write `scores[selector]` with the predicted-error penalty and the parse-error floor."""
+    for b, value in zip(branches, raw):
+        if b.kind == "parse_error":
+            value = PARSE_ERROR_SCORE
+        elif b.kind == "call" and b.predicted_text is not None and is_error(b.predicted):
+            value -= PREDICTED_ERROR_PENALTY
+        b.scores[selector] = round(float(value), 5)
+
+
+def choose(branches: list[Branch], selector: str) -> int:
+    """Highest score wins; ties go to the lower index (the greedy primary first)."""
+    best = 0
+    for i, b in enumerate(branches):
+        if b.scores.get(selector, PARSE_ERROR_SCORE) > branches[best].scores.get(selector, PARSE_ERROR_SCORE):
+            best = i
+    return best
+
+
+def predicts_failure(branch: Branch, selector: str, score: float) -> bool:
+    """Sequential mode: propose again when the rehearsal foresees an error (or the judge says no)."""
+    if branch.predicted_text is not None and is_error(branch.predicted):
+        return True
+    return selector == "judge" and score < 0.5

@@ -1,0 +1,163 @@
+"""Typed trace records: Episode -> Step -> Branch, and Annotation.
+
+These cross every boundary (engine -> store -> CLI/UI -> JSONL), so one name means one
+thing everywhere. The store writes them from their own `model_dump()`.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+Mode = Literal["none", "parallel", "sequential"]
+Selector = Literal["judge", "logprob", "memory"]
+RehearsalContext = Literal["history", "history+state"]
+ActualSource = Literal["committed", "shadow"]
+ActionKind = Literal["call", "answer", "parse_error"]
+LABELS = ("match", "minor", "major", "hallucinated_state", "wrong_format")
+
+MODES: tuple[str, ...] = ("none", "parallel", "sequential")
+SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
+REHEARSAL_CONTEXTS: tuple[str, ...] = ("history", "history+state")
+
+
+def utcnow() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Call(BaseModel):
+    """A parsed tool call."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class Metrics(BaseModel):
+    """Divergence of the predicted response from the actual one (None: not measurable)."""
+
+    json_valid: bool | None = None
+    """The rehearsal produced parseable JSON."""
+    exact: bool | None = None
+    """Canonical JSON of predicted equals actual."""
+    field_f1: float | None = None
+    """F1 over flattened (leaf path, value) pairs."""
+    error_agree: bool | None = None
+    """Both are errors, or both are successes."""
+    surprise: float | None = None
+    """Mean NLL per token of the actual response under the Rehearse role."""
+
+
+class Branch(BaseModel):
+    """One candidate action at a step."""
+
+    index: int
+    action_text: str
+    """The raw Act output."""
+    kind: ActionKind
+    call: Call | None = None
+    parse_error: str | None = None
+    sampled: bool = False
+    """False for the greedy primary candidate."""
+    act_logprob: float | None = None
+    """Mean token log-probability of the action under the Act role."""
+    predicted_text: str | None = None
+    """The raw Rehearse output."""
+    predicted: Any = None
+    """The parsed predicted response (None when unparseable or not rehearsed)."""
+    actual: Any = None
+    """The real response: from the committed call, or from shadow execution on a fork."""
+    actual_source: ActualSource | None = None
+    actual_error: bool | None = None
+    scores: dict[str, float] = Field(default_factory=dict)
+    """Selector scores, e.g. {"judge": 0.71} or {"logprob": -0.4}."""
+    metrics: Metrics = Field(default_factory=Metrics)
+    chosen: bool = False
+    duplicates: int = 0
+    """Sampled candidates folded into this branch because their canonical call was equal."""
+
+
+class Step(BaseModel):
+    """One agent decision."""
+
+    index: int
+    """0-based within the episode."""
+    turn: int
+    """0-based user turn."""
+    branches: list[Branch]
+    chosen: int
+    """Index of the committed branch."""
+    kind: ActionKind
+    """Kind of the committed action."""
+    state_before: dict[str, Any] = Field(default_factory=dict)
+    state_after: dict[str, Any] = Field(default_factory=dict)
+    rehearsals: int = 0
+    shadow_calls: int = 0
+    external_calls: int = 0
+    duration_s: float = 0.0
+    created_at: str = Field(default_factory=utcnow)
+
+    @property
+    def chosen_branch(self) -> Branch:
+        return self.branches[self.chosen]
+
+
+class TurnResult(BaseModel):
+    turn: int
+    success: bool
+    state_ok: bool = True
+    response_ok: bool = True
+    steps: int = 0
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class RunSettings(BaseModel):
+    """How an episode is run: everything that, with the seed, fixes the episode."""
+
+    mode: Mode = "parallel"
+    branches: int = Field(4, ge=1, le=16)
+    """K: candidates per step (parallel) or attempts (sequential); 1 in mode none."""
+    selector: Selector = "judge"
+    temperature: float = Field(0.8, ge=0.0, le=2.0)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    shadow: bool = True
+    """Shadow-execute non-chosen read-only branches on forks (inspection only)."""
+    rehearsal_context: RehearsalContext = "history"
+    tool_choice: Literal["auto", "required"] = "auto"
+    """`required` prefills `<tool_call>` so every step calls a tool (as OpenAI's tool_choice)."""
+    max_steps_per_turn: int | None = Field(None, ge=1, le=64)
+    """Overrides the task's budget when set."""
+    max_action_tokens: int = Field(96, ge=8, le=1024)
+    max_rehearsal_tokens: int = Field(128, ge=8, le=2048)
+
+
+class Episode(BaseModel):
+    """One task under one model and one rehearsal setting."""
+
+    id: str
+    task_id: str
+    model: str
+    adapter: str | None = None
+    settings: RunSettings
+    status: Literal["running", "finished", "stopped", "failed"] = "running"
+    success: bool | None = None
+    turn_results: list[TurnResult] = Field(default_factory=list)
+    external_calls: int = 0
+    shadow_calls: int = 0
+    rehearsals: int = 0
+    steps: list[Step] = Field(default_factory=list)
+    created_at: str = Field(default_factory=utcnow)
+    finished_at: str | None = None
+    error: str | None = None
+
+
+class Annotation(BaseModel):
+    """A person's judgement of one branch."""
+
+    branch_id: int
+    label: Literal["match", "minor", "major", "hallucinated_state", "wrong_format"] | None = None
+    corrected_action: str | None = None
+    corrected_predicted: Any = None
+    note: str = ""
+    annotator: str = ""
+    created_at: str = Field(default_factory=utcnow)

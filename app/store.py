@@ -1,0 +1,273 @@
+"""SQLite storage (sqlite-utils): episodes, steps, branches, annotations, adapters.
+
+WAL mode, foreign keys on, and one transaction per step, so a crash never leaves half a
+step. Rows are written from the records' own `model_dump()`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+import sqlite_utils
+
+from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step, TurnResult, utcnow
+
+log = logging.getLogger(__name__)
+
+BUSY_TIMEOUT_S = 5.0
+"""How long a write waits for another writer before giving up (sqlite's busy handler retries)."""
+SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
+METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
+
+
+class StoreError(RuntimeError):
+    """A storage problem the user can act on (message says what to do)."""
+
+
+class StoreLockedError(StoreError):
+    pass
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def _unjson(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """One SQLite file. Thread-safe (one connection guarded by a lock) for the UI's worker threads."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        self.db = sqlite_utils.Database(conn)
+        self._lock = threading.RLock()
+        self._guard(self._create_schema)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _guard(self, fn, *args, **kwargs):
+        """Run a database operation under the lock; turn a locked database into a clear error."""
+        with self._lock:
+            try:
+                return fn(*args, **kwargs)
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise StoreLockedError(
+                        f"database {self.path} is locked by another writer (waited {BUSY_TIMEOUT_S:.0f} s); "
+                        "nothing was written, retry when it is free") from exc
+                raise
+
+    # ---------------------------------------------------------------- schema
+
+    def _create_schema(self) -> None:
+        db = self.db
+        if self.path != ":memory:":
+            db.enable_wal()
+        db.execute("PRAGMA foreign_keys = ON")
+        db["episodes"].create({
+            "id": str, "task_id": str, "model": str, "adapter": str, "mode": str, "branches": int,
+            "selector": str, "seed": int, "temperature": float, "shadow": int, "rehearsal_context": str,
+            "settings": str, "status": str, "success": int, "turn_results": str, "external_calls": int,
+            "shadow_calls": int, "rehearsals": int, "n_steps": int, "created_at": str,
+            "finished_at": str, "error": str,
+        }, pk="id", if_not_exists=True, defaults={"n_steps": 0, "external_calls": 0,
+                                                   "shadow_calls": 0, "rehearsals": 0})
+        db["steps"].create({
+            "id": int, "episode_id": str, "idx": int, "turn": int, "chosen": int, "kind": str,
+            "state_before": str, "state_after": str, "rehearsals": int, "shadow_calls": int,
+            "external_calls": int, "duration_s": float, "created_at": str,
+        }, pk="id", foreign_keys=[("episode_id", "episodes", "id")], if_not_exists=True)
+        db["branches"].create({
+            "id": int, "step_id": int, "episode_id": str, "step_idx": int, "idx": int, "kind": str,
+            "action_text": str, "call_name": str, "call_arguments": str, "parse_error": str,
+            "sampled": int, "act_logprob": float, "predicted_text": str, "predicted": str,
+            "actual": str, "actual_source": str, "actual_error": int, "scores": str,
+            "json_valid": int, "exact": int, "field_f1": float, "error_agree": int,
+            "surprise": float, "chosen": int, "duplicates": int,
+        }, pk="id", foreign_keys=[("step_id", "steps", "id"), ("episode_id", "episodes", "id")],
+            if_not_exists=True)
+        db["annotations"].create({
+            "id": int, "branch_id": int, "label": str, "corrected_action": str,
+            "corrected_predicted": str, "note": str, "annotator": str, "created_at": str,
+        }, pk="id", foreign_keys=[("branch_id", "branches", "id")], if_not_exists=True)
+        db["adapters"].create({
+            "id": str, "path": str, "parent": str, "base_model": str, "data": str,
+            "metrics": str, "created_at": str,
+        }, pk="id", if_not_exists=True)
+        db["finetune_runs"].create({
+            "id": int, "adapter_id": str, "parent": str, "status": str, "config": str,
+            "data": str, "losses": str, "metrics": str, "started_at": str, "finished_at": str, "error": str,
+        }, pk="id", if_not_exists=True)
+        for table, cols in (("steps", ["episode_id", "idx"]), ("branches", ["step_id"]),
+                            ("branches", ["episode_id"]), ("annotations", ["branch_id"])):
+            db[table].create_index(cols, if_not_exists=True, unique=(table == "steps"))
+
+    # ---------------------------------------------------------------- writes
+
+    @staticmethod
+    def _episode_row(ep: Episode) -> dict[str, Any]:
+        s = ep.settings
+        row = {name: getattr(s, name) for name in SETTINGS_COLUMNS}
+        row.update(id=ep.id, task_id=ep.task_id, model=ep.model, adapter=ep.adapter,
+                   settings=_json(s.model_dump()), status=ep.status,
+                   success=None if ep.success is None else int(ep.success),
+                   turn_results=_json([t.model_dump() for t in ep.turn_results]),
+                   external_calls=ep.external_calls, shadow_calls=ep.shadow_calls,
+                   rehearsals=ep.rehearsals, n_steps=len(ep.steps), created_at=ep.created_at,
+                   finished_at=ep.finished_at, error=ep.error)
+        row["shadow"] = int(row["shadow"])
+        return row
+
+    def save_episode(self, ep: Episode) -> None:
+        """Insert or update the episode row (not its steps)."""
+        def write():
+            with self.db.atomic():
+                self.db["episodes"].upsert(self._episode_row(ep), pk="id")
+        self._guard(write)
+
+    def add_step(self, ep: Episode, step: Step) -> int:
+        """Write one step with its branches and the episode's counters, in one transaction."""
+        def write() -> int:
+            with self.db.atomic():
+                self.db["episodes"].upsert(self._episode_row(ep), pk="id")
+                step_id = self.db["steps"].insert({
+                    "episode_id": ep.id, "idx": step.index, "turn": step.turn, "chosen": step.chosen,
+                    "kind": step.kind, "state_before": _json(step.state_before),
+                    "state_after": _json(step.state_after), "rehearsals": step.rehearsals,
+                    "shadow_calls": step.shadow_calls, "external_calls": step.external_calls,
+                    "duration_s": step.duration_s, "created_at": step.created_at,
+                }).last_pk
+                self.db["branches"].insert_all(self._branch_row(ep.id, step_id, step.index, b)
+                                               for b in step.branches)
+                return step_id
+        return self._guard(write)
+
+    @staticmethod
+    def _branch_row(episode_id: str, step_id: int, step_idx: int, b: Branch) -> dict[str, Any]:
+        row = {"step_id": step_id, "episode_id": episode_id, "step_idx": step_idx, "idx": b.index,
+               "kind": b.kind, "action_text": b.action_text,
+               "call_name": b.call.name if b.call else None,
+               "call_arguments": _json(b.call.arguments) if b.call else None,
+               "parse_error": b.parse_error, "sampled": int(b.sampled), "act_logprob": b.act_logprob,
+               "predicted_text": b.predicted_text, "predicted": _json(b.predicted),
+               "actual": _json(b.actual), "actual_source": b.actual_source,
+               "actual_error": None if b.actual_error is None else int(b.actual_error),
+               "scores": _json(b.scores), "chosen": int(b.chosen), "duplicates": b.duplicates}
+        for name in METRIC_COLUMNS:
+            value = getattr(b.metrics, name)
+            row[name] = int(value) if isinstance(value, bool) else value
+        return row
+
+    def add_annotation(self, annotation: Annotation) -> int:
+        row = annotation.model_dump()
+        row["corrected_predicted"] = _json(row["corrected_predicted"])
+
+        def write() -> int:
+            with self.db.atomic():
+                if not self.db["branches"].count_where("id = ?", [annotation.branch_id]):
+                    raise StoreError(f"no branch with id {annotation.branch_id}")
+                return self.db["annotations"].insert(row).last_pk
+        return self._guard(write)
+
+    # ---------------------------------------------------------------- reads
+
+    def list_episodes(self, **filters: Any) -> list[dict[str, Any]]:
+        """Episode rows, newest first; filters are column=value (None values ignored)."""
+        where = {k: v for k, v in filters.items() if v is not None}
+        clause = " and ".join(f"[{k}] = :{k}" for k in where) or None
+        return self._guard(lambda: list(self.db["episodes"].rows_where(clause, where or None,
+                                                                          order_by="created_at desc, rowid desc")))
+
+    def branch_rows(self, episode_id: str) -> list[dict[str, Any]]:
+        return self._guard(lambda: list(self.db["branches"].rows_where(
+            "episode_id = ?", [episode_id], order_by="step_idx, idx")))
+
+    def get_episode(self, episode_id: str) -> Episode:
+        def read() -> Episode:
+            try:
+                row = self.db["episodes"].get(episode_id)
+            except sqlite_utils.db.NotFoundError:
+                raise StoreError(f"no episode with id {episode_id}") from None
+            steps = list(self.db["steps"].rows_where("episode_id = ?", [episode_id], order_by="idx"))
+            by_step: dict[int, list[Branch]] = {}
+            for b in self.db["branches"].rows_where("episode_id = ?", [episode_id], order_by="step_idx, idx"):
+                by_step.setdefault(b["step_id"], []).append(_branch_from_row(b))
+            return Episode(
+                id=row["id"], task_id=row["task_id"], model=row["model"], adapter=row["adapter"],
+                settings=RunSettings(**_unjson(row["settings"])), status=row["status"],
+                success=None if row["success"] is None else bool(row["success"]),
+                turn_results=[TurnResult(**t) for t in _unjson(row["turn_results"]) or []],
+                external_calls=row["external_calls"], shadow_calls=row["shadow_calls"],
+                rehearsals=row["rehearsals"], created_at=row["created_at"],
+                finished_at=row["finished_at"], error=row["error"],
+                steps=[Step(index=s["idx"], turn=s["turn"], chosen=s["chosen"], kind=s["kind"],
+                            branches=by_step.get(s["id"], []),
+                            state_before=_unjson(s["state_before"]) or {},
+                            state_after=_unjson(s["state_after"]) or {}, rehearsals=s["rehearsals"],
+                            shadow_calls=s["shadow_calls"], external_calls=s["external_calls"],
+                            duration_s=s["duration_s"], created_at=s["created_at"]) for s in steps])
+        return self._guard(read)
+
+    def annotations(self, branch_id: int | None = None) -> list[dict[str, Any]]:
+        if branch_id is None:
+            return self._guard(lambda: list(self.db["annotations"].rows))
+        return self._guard(lambda: list(self.db["annotations"].rows_where("branch_id = ?", [branch_id])))
+
+
+def _branch_from_row(r: dict[str, Any]) -> Branch:
+    metrics = {}
+    for name in METRIC_COLUMNS:
+        value = r[name]
+        metrics[name] = bool(value) if value is not None and name not in ("field_f1", "surprise") else value
+    return Branch(
+        index=r["idx"], action_text=r["action_text"], kind=r["kind"],
+        call=Call(name=r["call_name"], arguments=_unjson(r["call_arguments"]) or {}) if r["call_name"] else None,
+        parse_error=r["parse_error"], sampled=bool(r["sampled"]), act_logprob=r["act_logprob"],
+        predicted_text=r["predicted_text"], predicted=_unjson(r["predicted"]), actual=_unjson(r["actual"]),
+        actual_source=r["actual_source"],
+        actual_error=None if r["actual_error"] is None else bool(r["actual_error"]),
+        scores=_unjson(r["scores"]) or {}, metrics=Metrics(**metrics), chosen=bool(r["chosen"]),
+        duplicates=r["duplicates"] or 0)
+
+
+class Recorder:
+    """Writes an episode's steps as they finish; keeps steps a locked database refused, and retries.
+
+    A locked database therefore loses nothing: the steps wait in memory (and in the
+    Episode object) until `flush()` succeeds.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.pending: list[Step] = []
+        self.last_error: str | None = None
+
+    def start(self, ep: Episode) -> None:
+        self.store.save_episode(ep)
+
+    def __call__(self, ep: Episode, step: Step) -> None:
+        self.pending.append(step)
+        try:
+            self.flush(ep)
+        except StoreLockedError as exc:
+            self.last_error = str(exc)
+            log.warning("%s; %d step(s) kept in memory", exc, len(self.pending))
+
+    def flush(self, ep: Episode) -> None:
+        while self.pending:
+            self.store.add_step(ep, self.pending[0])
+            self.pending.pop(0)
+        self.store.save_episode(ep)
+        self.last_error = None
+
+

@@ -1,0 +1,59 @@
+"""A scripted policy: implements the Policy interface from canned text, for engine unit tests.
+
+It never stands where the product uses a model; it exists so the engine's control flow
+(branching, dedup, selection, shadow execution, storage) is tested in milliseconds.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from model_backend.base import Generation, GenerationConfig, Prompt
+
+
+class ScriptedPolicy:
+    name = "scripted"
+    context_window = 8192
+
+    def __init__(self, actions: list[list[str]], predict: Callable[[str], Any] | None = None,
+                 judge: Callable[[str], float] | None = None) -> None:
+        """`actions[i]` are the candidates of the i-th act() call (padded by repeating the last)."""
+        self.actions = list(actions)
+        self.predict = predict or (lambda prompt_text: {"ok": True})
+        self.judge = judge or (lambda prompt_text: 0.5)
+        self.act_calls: list[tuple[Prompt, int]] = []
+        self.rehearse_calls: list[list[Prompt]] = []
+
+    def count_tokens(self, text: str) -> int:
+        return max(1, len(text) // 4)
+
+    def act(self, prompt: Prompt, k: int, config: GenerationConfig) -> list[Generation]:
+        self.act_calls.append((prompt, k))
+        script = self.actions.pop(0) if self.actions else ["Done."]
+        out = []
+        for i in range(k):
+            text = script[min(i, len(script) - 1)]
+            out.append(Generation(text=prompt.prefill + text if not text.startswith(prompt.prefill) else text,
+                                  token_logprobs=[-0.1 * (i + 1)] * 4, sampled=i > 0))
+        return out
+
+    def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        self.rehearse_calls.append(prompts)
+        out = []
+        for p in prompts:
+            value = self.predict(p.messages[-1]["content"])
+            text = value if isinstance(value, str) else json.dumps(value)
+            out.append(Generation(text=f"{p.prefill}{text}</execution_result>", token_logprobs=[-0.2]))
+        return out
+
+    def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
+        import math
+
+        out = []
+        for p, c in zip(prompts, continuations):
+            if c in ("yes", "no"):
+                p_yes = min(max(self.judge(p.messages[-1]["content"]), 1e-6), 1 - 1e-6)
+                out.append([math.log(p_yes if c == "yes" else 1 - p_yes)])
+            else:
+                out.append([-0.5] * max(1, len(c) // 4))
+        return out

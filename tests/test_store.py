@@ -1,0 +1,93 @@
+import sqlite3
+
+import pytest
+
+from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step
+from app.store import Recorder, Store, StoreError, StoreLockedError
+
+
+def make_episode(n_steps: int = 2) -> Episode:
+    ep = Episode(id="ep1", task_id="mock:kv_0", model="scripted", settings=RunSettings())
+    for i in range(n_steps):
+        branches = [
+            Branch(index=0, action_text="<tool_call>...", kind="call", call=Call(name="get", arguments={"key": "a"}),
+                   predicted={"value": 1}, predicted_text='{"value": 1}', actual={"value": 1},
+                   actual_source="committed", actual_error=False, chosen=True, scores={"judge": 0.9},
+                   metrics=Metrics(json_valid=True, exact=True, field_f1=1.0, error_agree=True, surprise=0.25)),
+            Branch(index=1, action_text="oops", kind="parse_error", parse_error="bad", sampled=True),
+        ]
+        ep.steps.append(Step(index=i, turn=0, branches=branches, chosen=0, kind="call",
+                             state_before={"a": i}, state_after={"a": i + 1}, rehearsals=1, external_calls=1))
+        ep.external_calls += 1
+    return ep
+
+
+def test_round_trip_episode(tmp_path):
+    store = Store(tmp_path / "t.db")
+    ep = make_episode()
+    for step in ep.steps:
+        store.add_step(ep, step)
+    loaded = store.get_episode("ep1")
+    assert loaded.model_dump() == ep.model_dump()
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    rows = store.list_episodes(mode="parallel")
+    assert [r["id"] for r in rows] == ["ep1"] and rows[0]["n_steps"] == 2
+    assert store.list_episodes(mode="none") == []
+
+
+def test_step_write_is_atomic(tmp_path, monkeypatch):
+    store = Store(tmp_path / "t.db")
+    ep = make_episode(1)
+    real = Store._branch_row
+
+    def fail_on_second_branch(episode_id, step_id, step_idx, b):
+        if b.index == 1:
+            raise RuntimeError("crash mid-step")
+        return real(episode_id, step_id, step_idx, b)
+
+    monkeypatch.setattr(Store, "_branch_row", staticmethod(fail_on_second_branch))
+    with pytest.raises(RuntimeError, match="crash mid-step"):
+        store.add_step(ep, ep.steps[0])
+    assert store.db["steps"].count == 0 and store.db["branches"].count == 0
+    assert store.db["episodes"].count == 0
+
+
+def test_annotation_requires_existing_branch(tmp_path):
+    store = Store(tmp_path / "t.db")
+    ep = make_episode(1)
+    store.add_step(ep, ep.steps[0])
+    branch_id = store.branch_rows("ep1")[0]["id"]
+    ann_id = store.add_annotation(Annotation(branch_id=branch_id, label="minor", corrected_predicted={"value": 2},
+                                             note="off by one", annotator="ana"))
+    row = store.annotations(branch_id)[0]
+    assert row["id"] == ann_id and row["label"] == "minor" and row["corrected_predicted"] == '{"value": 2}'
+    with pytest.raises(StoreError, match="no branch"):
+        store.add_annotation(Annotation(branch_id=9999, label="match"))
+
+
+def test_unknown_episode_is_a_clear_error(tmp_path):
+    with pytest.raises(StoreError, match="no episode"):
+        Store(tmp_path / "t.db").get_episode("nope")
+
+
+def test_locked_database_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr("app.store.BUSY_TIMEOUT_S", 0.1)
+    path = tmp_path / "t.db"
+    store = Store(path)
+    store.db.conn.execute("PRAGMA busy_timeout = 100")
+    ep = make_episode(2)
+    recorder = Recorder(store)
+    recorder.start(ep)
+    blocker = sqlite3.connect(path)
+    blocker.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    recorder(ep, ep.steps[0])
+    assert recorder.pending == [ep.steps[0]] and "locked" in recorder.last_error
+    with pytest.raises(StoreLockedError, match="nothing was written"):
+        recorder.flush(ep)
+    assert store.db["steps"].count == 0
+    blocker.rollback()
+    blocker.close()
+    recorder(ep, ep.steps[1])  # the lock is gone: both steps land, in order
+    assert recorder.pending == []
+    assert [s.index for s in store.get_episode("ep1").steps] == [0, 1]
