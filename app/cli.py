@@ -72,7 +72,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from app import envs
 
     try:
-        ids = envs.list_tasks(args.category, args.split)
+        ids = envs.list_tasks("bfcl", args.category, args.split)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print("\n".join(ids))

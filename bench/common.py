@@ -1,0 +1,29 @@
+"""Helpers shared by the benchmark scripts: where results go, and machine facts."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def write_results(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    data = {"machine": machine(), **data}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return path

@@ -1,0 +1,168 @@
+"""Engine control flow with a scripted policy (canned text) on the mock key-value environment."""
+import json
+
+import pytest
+
+from app import envs
+from app.engine import EpisodeRunner, episode_json
+from app.records import RunSettings
+from app.store import Recorder, Store
+from scripted import ScriptedPolicy
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def runner(actions, settings=None, **policy_kwargs):
+    task = envs.load_task("mock:kv")
+    policy = ScriptedPolicy(actions, **policy_kwargs)
+    return EpisodeRunner(task, policy, settings or RunSettings(mode="parallel", branches=3)), policy
+
+
+def test_parallel_step_rehearses_all_branches_and_commits_one():
+    # Greedy: set; alternatives: a read (shadowed) and a duplicate of the greedy call.
+    r, policy = runner([[call("set", key="color", value="blue"), call("list_keys"),
+                         call("set", key="color", value="blue")]],
+                       predict=lambda text: {"ok": True} if '"set"' in text else {"keys": ["size"]},
+                       judge=lambda text: 0.9 if '"set"' in text else 0.2)
+    before = r.env.state()
+    step = r.step()
+    assert [b.kind for b in step.branches] == ["call", "call"]
+    assert step.branches[0].duplicates == 1            # canonical dedup
+    assert len(policy.rehearse_calls) == 1 and len(policy.rehearse_calls[0]) == 2  # one batched pass
+    chosen, other = step.branches[step.chosen], step.branches[1 - step.chosen]
+    assert chosen.call.name == "set" and chosen.chosen and chosen.actual_source == "committed"
+    assert chosen.actual == {"ok": True} and chosen.metrics.exact is True
+    assert other.actual_source == "shadow" and other.actual == {"keys": ["size"]}
+    assert other.metrics.exact is True and other.metrics.surprise is not None
+    assert step.state_before == before and step.state_after["MockKV"]["store"]["color"] == "blue"
+    assert (step.external_calls, step.shadow_calls, step.rehearsals) == (1, 1, 2)
+    assert chosen.scores["judge"] == pytest.approx(0.9)
+
+
+def test_shadow_execution_never_touches_the_episode_env():
+    r, _ = runner([[call("set", key="a", value=1), call("delete", key="size"), call("get", key="size")]],
+                  judge=lambda text: 0.9 if '"set"' in text else 0.1)
+    step = r.step()
+    by_name = {b.call.name: b for b in step.branches}
+    assert by_name["delete"].actual_source is None     # writes are never shadow-executed
+    assert by_name["get"].actual_source == "shadow"
+    assert r.env.state()["MockKV"]["store"] == {"size": "L", "a": 1}
+
+
+def test_predicted_error_is_penalised_and_judge_picks_best():
+    r, _ = runner([[call("get", key="missing"), call("set", key="color", value="blue")]],
+                  predict=lambda text: {"error": "no such key"} if '"get"' in text else {"ok": True},
+                  judge=lambda text: 0.6)
+    step = r.step()
+    assert step.branches[step.chosen].call.name == "set"
+    assert step.branches[0].scores["judge"] < step.branches[1].scores["judge"]
+
+
+def test_bad_model_output_becomes_branches_and_episode_goes_on():
+    r, _ = runner([["<tool_call>{broken", call("nope_tool", x=1), "<tool_call>{\"name\": \"list_keys\""],
+                   ["Stored."]],
+                  settings=RunSettings(mode="parallel", branches=3, selector="logprob"))
+    s1 = r.step()
+    assert [b.kind for b in s1.branches] == ["parse_error", "call", "parse_error"]
+    assert "unclosed" in s1.branches[2].parse_error
+    unknown = s1.branches[1]
+    assert s1.chosen == 1 and unknown.actual_error is True and "unknown tool" in unknown.actual["error"]
+    assert s1.branches[0].actual_source is None and s1.branches[0].scores["logprob"] < unknown.scores["logprob"]
+    s2 = r.step()  # the episode goes on
+    assert s2.kind == "answer" and r.turn == 1
+
+
+def test_wrong_argument_types_and_tool_exceptions_are_error_results():
+    r, _ = runner([[call("set", key=["x"], value=1)], [call("fail")], ["done"]],
+                  settings=RunSettings(mode="none", branches=1))
+    s1, s2 = r.step(), r.step()
+    assert s1.branches[0].actual_error and "invalid arguments" in s1.branches[0].actual["error"]
+    assert s2.branches[0].actual_error and "always fails" in s2.branches[0].actual["error"]
+    assert s1.state_after == s1.state_before
+
+
+def test_all_parse_errors_commit_an_error_the_agent_sees():
+    r, policy = runner([["<tool_call>{bad"], ["The key is stored."]], settings=RunSettings(mode="none", branches=1))
+    step = r.step()
+    assert step.kind == "parse_error" and step.branches[0].actual_source == "committed"
+    assert step.external_calls == 0
+    r.step()
+    last_prompt = policy.act_calls[-1][0]
+    assert "could not parse" in last_prompt.messages[-1]["content"]
+
+
+def test_full_episode_succeeds_against_the_replay_judge(tmp_path):
+    actions = [[call("set", key="color", value="blue")], ["Done."],
+               [call("delete", key="size")], [call("get", key="color")], ["It is blue."]]
+    r, _ = runner(actions, settings=RunSettings(mode="none", branches=1))
+    store = Store(tmp_path / "e.db")
+    recorder = Recorder(store)
+    r.on_step = recorder
+    recorder.start(r.episode)
+    steps = list(r.run())
+    ep = r.episode
+    assert ep.status == "finished" and ep.success is True
+    assert [t.success for t in ep.turn_results] == [True, True]
+    assert ep.external_calls == 3 == sum(1 for s in steps if s.kind == "call")
+    assert store.get_episode(ep.id).model_dump() == ep.model_dump()
+    out = episode_json(ep)
+    assert {"episode_id", "task", "success", "steps", "external_calls", "shadow_calls", "rehearsals"} <= set(out)
+    assert {"call", "predicted", "actual", "actual_source", "chosen", "metrics"} <= set(out["steps"][0]["branches"][0])
+
+
+def test_wrong_action_fails_the_turn():
+    r, _ = runner([[call("set", key="color", value="red")], ["Done."],
+                   [call("delete", key="size")], ["ok"]], settings=RunSettings(mode="none", branches=1))
+    r.run_all()
+    assert r.episode.turn_results[0].success is False and r.episode.success is False
+
+
+def test_step_budget_ends_the_turn():
+    r, _ = runner([[call("list_keys")]] * 10, settings=RunSettings(mode="none", branches=1, max_steps_per_turn=2))
+    steps = list(r.run_turn())
+    assert len(steps) == 2 and r.turn == 1 and len(r.episode.turn_results) == 1
+
+
+def test_sequential_retries_while_rehearsal_predicts_failure():
+    r, policy = runner([[call("get", key="missing")], [call("get", key="size"), call("get", key="size")]],
+                       predict=lambda text: {"error": "no such key"} if "missing" in text.split("Call:")[-1] else {"value": "L"},
+                       judge=lambda text: 0.9, settings=RunSettings(mode="sequential", branches=3))
+    step = r.step()
+    assert len(step.branches) == 2 and step.chosen == 1
+    assert step.branches[1].actual == {"value": "L"} and step.rehearsals == 2
+    second_prompt = policy.act_calls[1][0]
+    assert "Private rehearsal" in second_prompt.messages[-1]["content"]
+
+
+def test_memory_selector_lets_the_policy_write_the_committed_call():
+    r, policy = runner([[call("get", key="missing"), call("list_keys")], [call("list_keys")]],
+                       settings=RunSettings(mode="parallel", branches=2, selector="memory"))
+    step = r.step()
+    assert step.branches[step.chosen].call.name == "list_keys"
+    assert step.branches[step.chosen].scores["memory"] == 1.0
+    assert "Private rehearsal" in policy.act_calls[1][0].messages[-1]["content"]
+
+
+def test_state_snapshot_reaches_the_rehearse_prompt():
+    r, policy = runner([[call("get", key="size")]],
+                       settings=RunSettings(mode="parallel", branches=1, rehearsal_context="history+state"))
+    r.step()
+    assert "Environment state" in policy.rehearse_calls[0][0].messages[-1]["content"]
+
+
+def test_tool_choice_required_prefills_the_call_tag():
+    r, policy = runner([['{"name": "list_keys", "arguments": {}}</tool_call>']],
+                       settings=RunSettings(mode="none", branches=1, tool_choice="required"))
+    step = r.step()
+    assert policy.act_calls[0][0].prefill == "<tool_call>" and step.kind == "call"
+
+
+def test_same_seed_same_episode():
+    def run_once():
+        r, _ = runner([[call("set", key="color", value="blue"), call("list_keys")], ["Done."],
+                       [call("delete", key="size")], ["ok"]])
+        steps = episode_json(r.run_all())["steps"]
+        return [{k: v for k, v in s.items() if k != "duration_s"} for s in steps]
+    assert run_once() == run_once()
