@@ -19,7 +19,7 @@ log = logging.getLogger("app")
 
 
 class UserError(Exception):
-    """A mistake the user can fix; printed as one line, exit status 2."""
+    """A mistake the user can fix; printed as one line, exit status 2 (raise it from any command)."""
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -62,7 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860, help="port")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.set_defaults(func=cmd_serve)
+
+    for register in _extra_commands():
+        register(sub)
     return parser
+
+
+def _extra_commands() -> list[Callable[[Any], None]]:
+    """Subcommands owned by other modules (training, evaluation), registered without heavy imports."""
+    from app import commands
+
+    return list(commands.registrars())
 
 
 # ------------------------------------------------------------------ commands
@@ -72,7 +82,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from app import envs
 
     try:
-        ids = envs.list_tasks("bfcl", args.category, args.split)
+        ids = envs.list_tasks(args.category, args.split)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print("\n".join(ids))

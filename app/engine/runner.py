@@ -50,6 +50,7 @@ class EpisodeRunner:
         self._turn_open = False
         self._turn_steps = 0
         self._turn_executed: list[tuple[str, dict[str, Any], Any]] = []
+        self._rehearse_prompts: dict[int, Prompt] = {}
 
     # ------------------------------------------------------------ public loop
 
@@ -108,7 +109,11 @@ class EpisodeRunner:
     def _open_turn(self) -> None:
         if hasattr(self.env, "set_turn"):
             self.env.set_turn(self.turn)  # miss_func: tools that appear at this turn
-        for message in self.task.turns[self.turn]:
+        messages = self.task.turns[self.turn]
+        if not messages and self.task.extra.get("additional_function_prompt"):
+            # BFCL miss_func: an empty turn means "new tools arrived, carry on" (BFCL's own wording).
+            messages = [{"role": "user", "content": self.task.extra["additional_function_prompt"]}]
+        for message in messages:
             self.history.append(HistoryItem(role="user", content=message["content"], turn=self.turn))
         self._turn_open, self._turn_steps, self._turn_executed = True, 0, []
 
@@ -224,8 +229,7 @@ class EpisodeRunner:
         memory = [(b.call, b.predicted) for b in branches if b.kind == "call"]
         if not memory:
             return selection.choose(branches, "logprob"), 0
-        config = self._act_config(index, attempt=1).model_copy() if hasattr(GenerationConfig, "model_copy") else self._act_config(index, 1)
-        gen = self.policy.act(self._act_prompt(tools_list, memory=memory), 1, config)[0]
+        gen = self.policy.act(self._act_prompt(tools_list, memory=memory), 1, self._act_config(index, 1))[0]
         seen = {canonical_call(b.call) if b.call else f"{b.kind}:{b.action_text.strip()}": b for b in branches}
         new = self._branches([gen], start=len(branches), seen=seen)
         parsed = parse_action(gen.text)

@@ -1,0 +1,90 @@
+"""Environments: the protocol, the BFCL multi-turn adapter, a mock, and a registry by id prefix.
+
+`load_task("bfcl:multi_turn_base_12")`, `make_env(task)` and `make_judge(task)` dispatch on
+the part of the id before the colon (`bfcl:`, `mock:`).
+"""
+from __future__ import annotations
+
+from app.envs.base import Environment, Task, Tool, ToolResult, TurnCheck
+from app.envs.bfcl import BFCLEnvironment, to_jsonable
+from app.envs.bfcl import make_env as make_bfcl_env
+from app.envs.bfcl_check import BFCLJudge, ReplayJudge, canonical_result, replay_ground_truth
+from app.envs.bfcl_tasks import (
+    CATEGORIES,
+    READ_ONLY_TOOLS,
+    UnknownTaskError,
+    parse_call_string,
+    task_split,
+)
+from app.envs.bfcl_tasks import list_tasks as list_bfcl_tasks
+from app.envs.bfcl_tasks import load_task as load_bfcl_task
+from app.envs.mock import MOCK_TASK_ID, MockEnvironment, MockJudge, make_mock_env, mock_task
+
+SUITES: tuple[str, ...] = ("bfcl", "mock")
+
+
+def _suite(task_id: str) -> str:
+    suite, sep, _ = task_id.partition(":")
+    if not sep or suite not in SUITES:
+        raise UnknownTaskError(
+            f"unknown task id {task_id!r}: expected a prefix of {', '.join(s + ':' for s in SUITES)}; "
+            f"BFCL categories: {', '.join(CATEGORIES)}"
+        )
+    return suite
+
+
+def load_task(task_id: str) -> Task:
+    """The task for an id such as `bfcl:multi_turn_base_12` or `mock:kv`."""
+    if _suite(task_id) == "bfcl":
+        return load_bfcl_task(task_id)
+    if task_id != MOCK_TASK_ID:
+        raise UnknownTaskError(f"unknown mock task {task_id!r}; the only one is {MOCK_TASK_ID}")
+    return mock_task()
+
+
+def list_tasks(category: str | None = None, split: str | None = None, *, suite: str = "bfcl") -> list[str]:
+    """Task ids of a suite (BFCL by default), optionally of one category and/or split."""
+    if suite == "bfcl":
+        return list_bfcl_tasks(category, split)
+    if suite == "mock":
+        return [MOCK_TASK_ID] if category in (None, "mock") and split is None else []
+    raise UnknownTaskError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
+
+
+def make_env(task: Task) -> Environment:
+    """A fresh environment for the task, at turn 0 (both kinds also have `set_turn(turn)`)."""
+    return make_bfcl_env(task) if _suite(task.id) == "bfcl" else make_mock_env(task)
+
+
+def make_judge(task: Task) -> ReplayJudge:
+    """A fresh per-episode judge for the task (`check_turn(turn_index, env, executed)`)."""
+    return BFCLJudge(task) if _suite(task.id) == "bfcl" else MockJudge(task)
+
+
+__all__ = [
+    "BFCLEnvironment",
+    "BFCLJudge",
+    "CATEGORIES",
+    "Environment",
+    "MOCK_TASK_ID",
+    "MockEnvironment",
+    "MockJudge",
+    "READ_ONLY_TOOLS",
+    "ReplayJudge",
+    "SUITES",
+    "Task",
+    "Tool",
+    "ToolResult",
+    "TurnCheck",
+    "UnknownTaskError",
+    "canonical_result",
+    "list_tasks",
+    "load_task",
+    "make_env",
+    "make_judge",
+    "mock_task",
+    "parse_call_string",
+    "replay_ground_truth",
+    "task_split",
+    "to_jsonable",
+]
