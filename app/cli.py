@@ -103,8 +103,8 @@ def load_policy_or_fail(spec: str, adapter: str | None):
 
     try:
         return model_backend.load_policy(spec, adapter=adapter)
-    except (ValueError, ImportError, FileNotFoundError) as exc:
-        raise UserError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+    except (model_backend.ModelSpecError, model_backend.MissingModelError, model_backend.AdapterError) as exc:
+        raise UserError(str(exc).splitlines()[0]) from None
 
 
 def settings_from_args(args: argparse.Namespace):
