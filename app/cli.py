@@ -34,6 +34,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
                    help="`required` makes every step a tool call")
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
+    p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
+    p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
@@ -116,7 +118,9 @@ def settings_from_args(args: argparse.Namespace):
         return RunSettings(mode=args.mode, branches=1 if args.mode == "none" else args.branches,
                            selector=args.selector, seed=args.seed, temperature=args.temperature,
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
-                           tool_choice=args.tool_choice, max_steps_per_turn=args.max_steps)
+                           tool_choice=args.tool_choice, max_steps_per_turn=args.max_steps,
+                           max_action_tokens=args.max_action_tokens,
+                           max_rehearsal_tokens=args.max_rehearsal_tokens)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise UserError(f"--{'-'.join(map(str, err['loc']))}: {err['msg']}") from None

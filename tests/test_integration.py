@@ -92,6 +92,7 @@ def test_cli_run_json(tmp_path):
     db = tmp_path / "cli.db"
     out = subprocess.run([sys.executable, "-m", "app", "run", "--task", "bfcl:multi_turn_base_8", "--mode",
                           "parallel", "--branches", "2", "--max-steps", "1", "--tool-choice", "required",
+                          "--max-action-tokens", "40", "--max-rehearsal-tokens", "40",
                           "--db", str(db), "--json"], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)

@@ -1,0 +1,88 @@
+"""Run every benchmark, then write the README's benchmark table from bench/results/*.json.
+
+`make bench` runs this. Each script prints its figures and writes its own JSON file;
+`--table-only` rebuilds the README table from the existing files without running.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py"]
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def load(name: str) -> dict:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def fmt(value, suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}{suffix}" if isinstance(value, float) else f"{value}{suffix}"
+
+
+def table() -> str:
+    """Markdown rows: figure | measured | goal. Missing results show as n/a."""
+    rows = ["| figure | measured | goal |", "|---|---|---|"]
+    step = load("step_latency").get("results", {})
+    for k in ("1", "2", "4", "8"):
+        if k in step:
+            rows.append(f"| step latency, parallel K={k} | {fmt(step[k]['mean_s'], ' s')} "
+                        f"({fmt(step[k]['ratio_to_k1'], 'x')} of K=1) | {'<= 1.6x K=1' if k == '4' else ''} |")
+    dec = load("decode")
+    for key, label, goal in (
+        ("tokens_per_s_batch1", "decode tokens/s, batch 1", ""),
+        ("tokens_per_s_batch4", "decode tokens/s, batch 4 (total)", ""),
+        ("generate_tokens_per_s_batch1", "plain `generate` tokens/s, batch 1", ""),
+        ("bound_tokens_per_s", "bound: bandwidth / weight bytes (tokens/s)", ""),
+        ("ratio_to_bound_batch1", "batch-1 decode / bound", ">= 0.70"),
+        ("shared_prefix_speedup_k4", "shared-prefix batched vs per-branch generate, K=4", ">= 2.5x"),
+        ("cold_start_s", "cold start (GGUF conversion + load), s", ""),
+        ("warm_start_s", "warm start (from the safetensors cache), s", ""),
+    ):
+        if key in dec:
+            rows.append(f"| {label} | {fmt(dec[key])} | {goal} |")
+    ui = load("ui")
+    if "overhead_ms_per_step" in ui:
+        rows.append(f"| UI overhead per step, model excluded | {fmt(ui['overhead_ms_per_step'], ' ms')} | <= 150 ms |")
+    ft = load("finetune")
+    if "wall_s" in ft:
+        rows.append(f"| fine-tune, 20 corrected steps x 3 epochs | {fmt(ft['wall_s'], ' s')} "
+                    f"({fmt(ft.get('tokens_per_s'), ' tokens/s')}) | <= 180 s |")
+    return "\n".join(rows)
+
+
+def update_readme() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text:
+        print("README has no benchmark markers; table:\n" + table())
+        return
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
+    print("README benchmark table updated")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--table-only", action="store_true", help="only rebuild the README table")
+    args = parser.parse_args()
+    if not args.table_only:
+        for script in SCRIPTS:
+            path = ROOT / "bench" / script
+            if path.exists():
+                print(f"== {script}", flush=True)
+                subprocess.run([sys.executable, str(path)], cwd=ROOT / "bench", check=True)
+    update_readme()
+
+
+if __name__ == "__main__":
+    main()
