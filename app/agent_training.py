@@ -1,0 +1,392 @@
+"""The shipped agent: expert rows -> joint training -> reward-filtered self-training -> adapter.
+
+`train_agent()` is what `python -m app train-agent` runs (about 45 minutes on 2 cores):
+1. expert traces: the ground-truth calls of the BFCL `multi_turn_base` training split,
+   executed in the real classes (Act targets: the calls; Rehearse targets: real responses);
+2. joint LoRA training on them;
+3. at least one self-training round: roll out with parallel rehearsal on training tasks,
+   keep the Act rows of turns the judge passed (and every real response as Rehearse rows),
+   retrain on those plus a replay of expert rows;
+4. save the adapter atomically with a model card, and compare base and adapter on
+   held-out tasks (`heldout_report`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from app import envs
+from app.divergence import aggregate, compare
+from app.formats import REHEARSE_STOP, canonical_call, parse_result
+from app.records import Call, Episode, Metrics, RunSettings
+from app.training_data import (PromptContext, expert_episode, expert_rows,
+                               rehearse_row_prompt, replay, self_training_rows)
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+ADAPTER_NAME = "envace-smollm2-135m"
+SHIPPED_ADAPTER = ROOT / "fixtures" / "adapters" / ADAPTER_NAME
+Report = Callable[[str], None]
+
+
+def default_adapter_path() -> Path | None:
+    """The shipped adapter directory when it exists (the `embedded` spec's default adapter)."""
+    return SHIPPED_ADAPTER if (SHIPPED_ADAPTER / "adapter_config.json").is_file() else None
+
+
+@dataclass
+class AgentTrainingConfig:
+    """What `train-agent` does; defaults fit ~45 minutes on 2 otherwise idle cores."""
+
+    out: Path = SHIPPED_ADAPTER
+    spec: str = "embedded"
+    seed: int = 0
+    train_tasks: int | None = None
+    """Use the first N training tasks for expert rows (None: all 150)."""
+    rehearse_rows: int = 220
+    """Expert Rehearse rows sampled for round 1 (~3 s each at ~500 tokens; all 850 would take 40 min)."""
+    round1_steps: int = 400
+    round1_minutes: float = 20.0
+    rollout_tasks: int = 8
+    rollout_turns: int = 2
+    """Turns rolled out per task: early turns have short prompts and clean state."""
+    rollout_minutes: float = 7.0
+    round2_steps: int = 120
+    round2_minutes: float = 6.0
+    expert_replay_rows: int = 60
+    """Expert rows mixed into round 2 so self-training does not forget the expert data."""
+    eval_tasks: int = 6
+    eval_turns: int = 2
+    eval_forced_calls: int = 40
+    eval_minutes: float = 8.0
+    """Wall-time cap of each model's held-out episodes (the forced rehearsal comes on top)."""
+    max_seq_len: int = 1600
+    """Single rows over this are dropped (the p90 of expert Act prompts is ~1,600 tokens)."""
+    pack_len: int = 2400
+    rank: int = 16
+    lr: float = 3e-4
+
+
+@dataclass
+class RoundSummary:
+    name: str
+    rows: dict[str, int]
+    train: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def rollout_settings(seed: int = 0) -> RunSettings:
+    """Parallel rehearsal, K=2, logprob selector: the cheapest setting that still rehearses every call."""
+    return RunSettings(mode="parallel", branches=2, selector="logprob", seed=seed, shadow=True,
+                       max_steps_per_turn=4)
+
+
+def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int | None,
+                deadline: float | None = None) -> Episode:
+    """An EpisodeRunner episode, stopped after `max_turns` turns or at `deadline` (perf_counter);
+    a turn cut short is not judged and so counts nowhere."""
+    from app.engine import EpisodeRunner
+
+    runner = EpisodeRunner(envs.load_task(task_id), policy, settings)
+    while not runner.done and (max_turns is None or runner.turn < max_turns):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        runner.step()
+    runner.stop()
+    return runner.episode
+
+
+def call_matches(call: Call | None, gold_calls: list[str], param_names: Callable[[str], list[str]] | None) -> bool:
+    """The call equals (canonical name + arguments) one of the turn's ground-truth calls."""
+    if call is None:
+        return False
+    key = canonical_call(call)
+    for gold in gold_calls:
+        name, args = envs.parse_call_string(gold, param_names)
+        if canonical_call(Call(name=name, arguments=args)) == key:
+            return True
+    return False
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
+    """Call accuracy, call rate, turn success and rehearsal fidelity from finished episodes."""
+    steps = matched = calls = 0
+    turns = passed = 0
+    measured: list[Metrics] = []
+    for ep in episodes:
+        task = envs.load_task(ep.task_id)
+        env = envs.make_env(task)
+        for t in ep.turn_results:
+            turns += 1
+            passed += t.success
+        for step in ep.steps:
+            if step.turn >= len(ep.turn_results):
+                continue  # a turn cut short by max_turns is not judged
+            gold = (task.ground_truth or [[]])[step.turn]
+            if not gold:
+                continue
+            steps += 1
+            chosen = step.chosen_branch
+            calls += chosen.kind == "call"
+            matched += call_matches(chosen.call, gold, getattr(env, "param_names", None))
+            measured += [b.metrics for b in step.branches if b.metrics.json_valid is not None]
+    rehearsal = aggregate(measured)
+    return {"episodes": len(episodes), "steps": steps, "call_accuracy": _ratio(matched, steps),
+            "call_rate": _ratio(calls, steps), "turns": turns, "turn_success": _ratio(passed, turns),
+            "rehearsal": {k: rehearsal[k] for k in ("n", "exact", "field_f1", "error_agree", "json_valid")}}
+
+
+def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: int = 8) -> dict[str, Any]:
+    """Rehearsal fidelity on the expert traces of `task_ids` (every model sees the same calls and history)."""
+    from model_backend.base import GenerationConfig
+
+    prompts, actuals = [], []
+    for task_id in task_ids:
+        task = envs.load_task(task_id)
+        for view in replay(expert_episode(task), task):
+            b = view.step.chosen_branch
+            if b.kind == "call" and b.call is not None and len(prompts) < max_calls:
+                prompts.append(rehearse_row_prompt(view, b.call))
+                actuals.append(b.actual)
+    config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
+    metrics = []
+    for i in range(0, len(prompts), batch):
+        for gen, actual in zip(policy.rehearse(prompts[i:i + batch], config), actuals[i:i + batch]):
+            predicted, error = parse_result(gen.text)
+            metrics.append(compare(predicted, error is None, actual))
+    agg = aggregate(metrics)
+    return {k: agg[k] for k in ("n", "exact", "field_f1", "error_agree", "json_valid")}
+
+
+def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forced_calls: int = 40,
+                   settings: RunSettings | None = None, minutes: float | None = None) -> dict[str, Any]:
+    """Base-vs-adapter figures on the first `n_tasks` held-out tasks (index mod 4 == 3).
+
+    `episodes`: EpisodeRunner runs (parallel rehearsal). Call accuracy = committed calls
+    equal to one of the turn's ground-truth calls, over committed steps in turns that
+    have ground truth. `forced`: rehearsal fidelity on the ground-truth calls with their
+    real history, which also measures a model that never calls a tool by itself.
+    `minutes` bounds the episodes' wall time (tasks not reached are left out and listed).
+    """
+    task_ids = envs.list_tasks("multi_turn_base", "heldout")[:n_tasks]
+    settings = settings or rollout_settings()
+    started = time.perf_counter()
+    deadline = started + minutes * 60 if minutes else None
+    episodes = []
+    for task_id in task_ids:
+        if episodes and deadline is not None and time.perf_counter() > deadline:
+            break
+        episodes.append(run_episode(task_id, policy, settings, max_turns, deadline))
+    report = episode_metrics(episodes)
+    report["forced"] = forced_rehearsal(policy, task_ids, forced_calls)
+    report["tasks"] = [e.task_id for e in episodes]
+    report["max_turns"] = max_turns
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _policy_for(loaded: Any, model: Any) -> Any:
+    """An inference policy over the model being trained (same object: it sees every update)."""
+    from model_backend.loading import LoadedModel
+    from model_backend.policy import TransformersPolicy
+
+    return TransformersPolicy(LoadedModel(model, loaded.tokenizer, loaded.spec, loaded.device, loaded.dtype,
+                                          0.0, False, adapter="(in training)"))
+
+
+def _count(rows: list[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        out[f"{r.source}_{r.role}"] = out.get(f"{r.source}_{r.role}", 0) + 1
+    return out
+
+
+def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
+                progress_factory: Callable[[str, int], Callable[[Any], None]] | None = None) -> dict[str, Any]:
+    """Run the whole pipeline; returns the model card's data (also written to `cfg.out`)."""
+    import torch
+
+    from model_backend import load_model
+    from model_backend.training import TrainConfig, encode_rows, save_adapter, train, trainable_model
+
+    started = time.perf_counter()
+    rng = random.Random(cfg.seed)
+    loaded = load_model(cfg.spec)
+    tok = loaded.tokenizer
+    ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
+                        int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
+
+    def run_round(name: str, rows: list[Any], steps: int, minutes: float, model: Any) -> RoundSummary:
+        encoded, dropped = encode_rows(tok, rows, cfg.max_seq_len, cfg.pack_len)
+        tc = TrainConfig(steps=steps, lr=cfg.lr, rank=cfg.rank, max_seconds=minutes * 60, seed=cfg.seed,
+                         max_seq_len=cfg.max_seq_len, pack_len=cfg.pack_len)
+        report(f"{name}: {len(rows)} rows ({len(dropped)} over {cfg.max_seq_len} tokens dropped) "
+               f"in {len(encoded)} sequences; up to {steps} steps / {minutes:.0f} min")
+        progress = progress_factory(name, steps) if progress_factory else None
+        result = train(model, encoded, tc, progress=progress, dropped=len(dropped))
+        report(f"{name}: {json.dumps(result.summary())}")
+        return RoundSummary(name, _count(rows), {**result.summary(), "sequences": len(encoded)})
+
+    # 1. expert rows
+    train_ids = envs.list_tasks("multi_turn_base", "train")[:cfg.train_tasks]
+    rows, experts = expert_rows(train_ids, ctx)
+    act = [r for r in rows if r.role == "act"]
+    rehearse = [r for r in rows if r.role == "rehearse"]
+    rng.shuffle(rehearse)
+    round1_rows = act + rehearse[:cfg.rehearse_rows]
+    report(f"expert traces: {len(experts)} tasks, {len(act)} Act rows, {len(rehearse)} Rehearse rows "
+           f"({cfg.rehearse_rows} sampled)")
+
+    # 2. joint training
+    model = trainable_model(loaded, TrainConfig(rank=cfg.rank, seed=cfg.seed))
+    rounds = [run_round("round 1 (expert)", round1_rows, cfg.round1_steps, cfg.round1_minutes, model)]
+
+    # 3. reward-filtered self-training
+    policy = _policy_for(loaded, model)
+    rollout_ids = list(train_ids)
+    rng.shuffle(rollout_ids)
+    episodes: list[Episode] = []
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.rollout_minutes * 60
+    for task_id in rollout_ids[:cfg.rollout_tasks]:
+        if episodes and time.perf_counter() > deadline:
+            break
+        episodes.append(run_episode(task_id, policy, rollout_settings(cfg.seed), cfg.rollout_turns, deadline))
+        ep = episodes[-1]
+        report(f"rollout {task_id}: turns passed {sum(t.success for t in ep.turn_results)}/{len(ep.turn_results)}, "
+               f"{len(ep.steps)} steps")
+    rollout = episode_metrics(episodes)
+    self_rows = self_training_rows(episodes, ctx)
+    replay_rows = rng.sample(round1_rows, min(cfg.expert_replay_rows, len(round1_rows)))
+    report(f"self-training: {len(self_rows)} rows kept from {len(episodes)} episodes; "
+           f"{len(replay_rows)} expert rows replayed")
+    rounds.append(run_round("round 2 (self-training)", self_rows + replay_rows, cfg.round2_steps,
+                            cfg.round2_minutes, model))
+    rounds[-1].extra = {"rollout": rollout, "rollout_seconds": round(time.perf_counter() - t0, 1)}
+
+    # 4. save, then evaluate base and adapter on held-out tasks
+    card: dict[str, Any] = {
+        "base_model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to fp32)",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "data": {"expert_tasks": len(train_ids), "split": "multi_turn_base, index mod 4 != 3",
+                 "expert_rows": _count(rows), "self_training_episodes": [e.task_id for e in episodes]},
+        "rounds": [asdict(r) for r in rounds],
+        "hardware": _hardware(torch),
+        "train_seconds": round(time.perf_counter() - started, 1),
+    }
+    save_adapter(model, cfg.out, {"training.json": json.dumps(card, indent=2, default=str)}, replace=True)
+    report(f"adapter saved to {cfg.out}")
+    if cfg.eval_tasks > 0:
+        card["heldout"] = {"adapter": heldout_report(policy, cfg.eval_tasks, max_turns=cfg.eval_turns,
+                                                     forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes)}
+        report(f"held-out, adapter: {json.dumps(card['heldout']['adapter'])}")
+        from model_backend.policy import TransformersPolicy
+
+        base = TransformersPolicy(load_model(cfg.spec))  # fresh: peft wrapped the first load in place
+        card["heldout"]["base"] = heldout_report(base, cfg.eval_tasks, max_turns=cfg.eval_turns,
+                                                 forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes)
+        report(f"held-out, base: {json.dumps(card['heldout']['base'])}")
+    card["total_seconds"] = round(time.perf_counter() - started, 1)
+    write_card(cfg.out, card)
+    return card
+
+
+def _hardware(torch: Any) -> dict[str, Any]:
+    import os
+
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine()}
+
+
+# ---------------------------------------------------------------- model card
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    cfg, data = card["config"], card["data"]
+    lines = [
+        "---", "base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "library_name: peft", "tags: [lora, envace, bfcl]", "---",
+        f"# {ADAPTER_NAME}: an EnvACE-style agent adapter for SmolLM2-135M-Instruct", "",
+        "One LoRA adapter, two roles: **Act** (writes `<tool_call>{...}</tool_call>` or a plain answer) and "
+        "**Rehearse** (predicts the tool's response as `<execution_result>{json}</execution_result>`), trained "
+        "jointly. Built by `python -m app train-agent` (`make train-agent`).", "",
+        "## Data",
+        f"- Expert traces: the ground-truth calls of {data['expert_tasks']} BFCL `{data['split']}` tasks executed "
+        "in the real API classes; Act targets are the calls plus a short final answer at each turn end, Rehearse "
+        "targets the real responses. Prompts are the engine's own (`act_prompt`, `rehearse_prompt`).",
+        f"- Rows: {json.dumps(data['expert_rows'])}.",
+        f"- Self-training: parallel-rehearsal rollouts (K=2, logprob selector) on {len(data['self_training_episodes'])} "
+        "training tasks; Act rows kept only from turns that pass the BFCL state/response check, Rehearse rows from "
+        "every real response.", "",
+        "## Training",
+        f"- LoRA r={cfg['rank']}, alpha={2 * cfg['rank']}, all linear layers, lr {cfg['lr']} (warmup, cosine to 10%), seed {cfg['seed']}.",
+        f"- Sequence length: single rows over {cfg['max_seq_len']} tokens dropped (never truncated); the Act rows of "
+        f"one task share a sequence of up to {cfg['pack_len']} tokens (their prompts extend each other token for "
+        "token, so each target sees exactly its inference prompt).", "",
+        "| round | rows | steps | s/step | tokens/s | loss first -> last | minutes |", "|---|---|---|---|---|---|---|",
+    ]
+    for r in card["rounds"]:
+        t = r["train"]
+        lines.append(f"| {r['name']} | {sum(r['rows'].values())} | {t['steps']} | {t['s_per_step']} | "
+                     f"{t['tokens_per_s']} | {_fmt(t['loss_first'])} -> {_fmt(t['loss_last'])} | "
+                     f"{t['seconds'] / 60:.1f} |")
+    hw = card["hardware"]
+    lines += ["", f"Hardware: {hw['device']}, {hw['cpus']} CPU cores (shared with other jobs), torch {hw['torch']}. "
+              f"Training wall time {card['train_seconds'] / 60:.1f} min; with evaluation "
+              f"{card.get('total_seconds', card['train_seconds']) / 60:.1f} min.", ""]
+    held = card.get("heldout")
+    if held:
+        a, b = held["adapter"], held.get("base", {})
+        lines += [
+            "## Held-out results (BFCL multi_turn_base, index mod 4 == 3)",
+            f"Episodes: {len(a['tasks'])} tasks, first {a['max_turns']} turns each, parallel rehearsal K=2. "
+            "Call accuracy: committed calls equal (canonical name + arguments) to one of the turn's ground-truth "
+            "calls, over committed steps. Forced rehearsal: every model rehearses the same ground-truth calls "
+            "with their real history.", "",
+            "| metric | base | adapter |", "|---|---|---|",
+        ]
+        rows = [("call accuracy", "call_accuracy"), ("tool-call rate", "call_rate"), ("turn success", "turn_success")]
+        for label, key in rows:
+            lines.append(f"| {label} | {_fmt(b.get(key))} | {_fmt(a.get(key))} |")
+        for scope in ("rehearsal", "forced"):
+            for key in ("exact", "field_f1", "error_agree"):
+                name = f"{'episode' if scope == 'rehearsal' else 'forced'} rehearsal {key} (n={a[scope]['n']}/{b.get(scope, {}).get('n')})"
+                lines.append(f"| {name} | {_fmt(b.get(scope, {}).get(key))} | {_fmt(a[scope].get(key))} |")
+    lines += ["", "Full figures: `training.json`."]
+    return "\n".join(lines) + "\n"
+
+
+def write_card(out: Path, card: dict[str, Any]) -> None:
+    """README.md and training.json next to the weights (each replaced atomically)."""
+    for name, text in (("training.json", json.dumps(card, indent=2, default=str)), ("README.md", card_markdown(card))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+__all__ = ["ADAPTER_NAME", "AgentTrainingConfig", "SHIPPED_ADAPTER", "call_matches", "card_markdown",
+           "default_adapter_path", "episode_metrics", "forced_rehearsal", "heldout_report", "run_episode",
+           "train_agent", "write_card"]

@@ -1,0 +1,283 @@
+"""Light fine-tuning on corrected traces: select, validate, train from the parent adapter, register.
+
+Nothing changes unless everything succeeds: the inputs are validated before the model
+loads, the new adapter is written atomically to a new directory (the parent is only
+read), and the registry rows (`adapters`, `finetune_runs`) are written in one transaction
+after the adapter exists; if that transaction fails the new directory is removed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from app import envs
+from app.formats import canonical_call, parse_action
+from app.records import Annotation, utcnow
+from app.store import Store, _branch_from_row
+from app.training_data import CorrectionError, PromptContext, _corrected_action, _corrected_value, correction_rows
+
+log = logging.getLogger(__name__)
+
+MAX_STEPS = 10_000
+
+
+class FinetuneError(ValueError):
+    """A fine-tune request that cannot run (the message says why); nothing was changed."""
+
+
+@dataclass
+class FinetuneRequest:
+    """One fine-tune: which corrections, how to train, where the new adapter goes."""
+
+    out: Path
+    steps: int = 30
+    lr: float = 3e-4
+    rank: int = 16
+    """Used for a new adapter; a parent adapter keeps its own rank."""
+    parent: Path | None = None
+    """The adapter to continue (None: a new adapter on the base weights)."""
+    episodes: list[str] | None = None
+    """Only corrections in these episodes (None: all)."""
+    annotated: bool = False
+    """Also use annotated branches without a correction: their real response is the Rehearse target."""
+    spec: str = "embedded"
+    seed: int = 0
+    measure_agreement: bool = True
+    """Greedy Act generation before and after on the corrected Act rows (costs a few seconds per row)."""
+
+
+@dataclass
+class Selected:
+    """One annotated branch chosen for training."""
+
+    annotation_id: int
+    branch_id: int
+    episode_id: str
+    step_idx: int
+    branch_idx: int
+    annotation: Annotation
+
+
+@dataclass
+class FinetuneResult:
+    adapter_id: str
+    path: Path
+    run_id: int
+    parent: str | None
+    data: dict[str, Any]
+    losses: list[float]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_request(req: FinetuneRequest) -> None:
+    """Clear errors for bad numbers and paths, before anything loads."""
+    from model_backend.training import is_adapter_dir
+
+    if not 1 <= req.steps <= MAX_STEPS:
+        raise FinetuneError(f"--steps must be between 1 and {MAX_STEPS}, got {req.steps}")
+    if not req.lr > 0 or req.lr > 1:
+        raise FinetuneError(f"--lr must be > 0 and at most 1, got {req.lr}")
+    if not 1 <= req.rank <= 256:
+        raise FinetuneError(f"--rank must be between 1 and 256, got {req.rank}")
+    if Path(req.out).exists():
+        raise FinetuneError(f"--out {req.out} already exists; choose a new directory")
+    if req.parent is not None and not is_adapter_dir(req.parent):
+        raise FinetuneError(f"parent {req.parent} is not a LoRA adapter directory "
+                            "(needs adapter_config.json and adapter weights)")
+
+
+def select_corrections(store: Store, episodes: list[str] | None = None, annotated: bool = False) -> list[Selected]:
+    """Annotated branches with a correction (and, with `annotated`, those without one),
+    the latest annotation per branch; corrections are validated here."""
+    sql = ("select a.id as aid, a.*, b.episode_id, b.step_idx, b.idx as bidx from annotations a "
+           "join branches b on b.id = a.branch_id order by a.id")
+    latest: dict[int, dict[str, Any]] = {}
+    for row in store.db.query(sql):
+        if episodes and row["episode_id"] not in episodes:
+            continue
+        latest[row["branch_id"]] = row  # later annotations of a branch supersede earlier ones
+    out = []
+    for row in latest.values():
+        try:
+            predicted = json.loads(row["corrected_predicted"]) if row["corrected_predicted"] is not None else None
+        except json.JSONDecodeError:
+            raise FinetuneError(f"annotation {row['aid']}: the stored corrected response is not valid JSON") from None
+        ann = Annotation(branch_id=row["branch_id"], label=row["label"], corrected_action=row["corrected_action"],
+                         corrected_predicted=predicted, note=row["note"] or "", annotator=row["annotator"] or "")
+        corrected = bool((ann.corrected_action or "").strip()) or ann.corrected_predicted is not None
+        if not corrected and not annotated:
+            continue
+        try:
+            if ann.corrected_predicted is not None:
+                _corrected_value(ann, row["aid"])
+            if (ann.corrected_action or "").strip():
+                _corrected_action(ann, row["aid"])
+        except CorrectionError as exc:
+            raise FinetuneError(str(exc)) from None
+        out.append(Selected(row["aid"], row["branch_id"], row["episode_id"], row["step_idx"], row["bidx"], ann))
+    if not out:
+        scope = f" in episodes {', '.join(episodes)}" if episodes else ""
+        what = "annotated or corrected" if annotated else "corrected"
+        raise FinetuneError(f"no {what} branches{scope} in {store.path}; annotate some branches first"
+                            + ("" if annotated else " (or pass --annotated to use annotated ones)"))
+    return out
+
+
+def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> list[Any]:
+    """Training rows for the selected branches, episode by episode."""
+    rows: list[Any] = []
+    by_episode: dict[str, list[Selected]] = {}
+    for s in selected:
+        by_episode.setdefault(s.episode_id, []).append(s)
+    for episode_id, items in by_episode.items():
+        episode = store.get_episode(episode_id)
+        task = envs.load_task(episode.task_id)
+        corrections = {}
+        for s in items:
+            ann = s.annotation
+            if not (ann.corrected_action or "").strip() and ann.corrected_predicted is None:
+                # Annotated without a correction: the real response is the Rehearse target.
+                branch = _branch_from_row(store.db["branches"].get(s.branch_id))
+                if branch.actual_source is None or branch.call is None:
+                    continue
+                ann = ann.model_copy(update={"corrected_predicted": branch.actual})
+            corrections[(s.step_idx, s.branch_idx)] = (s.annotation_id, ann)
+        try:
+            rows += correction_rows(episode, task, corrections, ctx)
+        except CorrectionError as exc:
+            raise FinetuneError(str(exc)) from None
+    return rows
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def correction_metrics(policy: Any, model: Any, tokenizer: Any, rows: list[Any], agreement: bool) -> dict[str, Any]:
+    """NLL of the corrected responses under Rehearse, and Act agreement with the corrected actions."""
+    from model_backend.base import GenerationConfig
+    from model_backend.training import encode_rows, nll_of_rows
+
+    out: dict[str, Any] = {}
+    rehearse = [r for r in rows if r.role == "rehearse"]
+    if rehearse:
+        encoded, _ = encode_rows(tokenizer, rehearse)
+        nll = nll_of_rows(model, encoded)
+        out["rehearse_nll"] = round(sum(nll) / len(nll), 4)
+        out["rehearse_nll_rows"] = [round(x, 4) for x in nll]
+    act = [r for r in rows if r.role == "act"]
+    if act:
+        encoded, _ = encode_rows(tokenizer, act)
+        out["act_nll"] = round(sum(nll_of_rows(model, encoded)) / len(encoded), 4)
+        if agreement:
+            agree = 0
+            for row, enc in zip(act, encoded):
+                config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=("</tool_call>",))
+                text = policy.act(row.prompt, 1, config)[0].text
+                agree += _same_action(text, row.prompt.prefill + row.target)
+            out["act_agreement"] = round(agree / len(act), 4)
+    return out
+
+
+def _same_action(text: str, target: str) -> bool:
+    a, b = parse_action(text), parse_action(target)
+    if a.kind != b.kind:
+        return False
+    if a.kind == "call":
+        return canonical_call(a.call) == canonical_call(b.call)  # type: ignore[arg-type]
+    return (a.answer or "").strip() == (b.answer or "").strip()
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _registry_id(store: Store, path: Path | None) -> str | None:
+    """The registry id of an adapter directory, else its path (None for the base weights)."""
+    if path is None:
+        return None
+    resolved = str(Path(path).resolve())
+    for row in store.db.query("select id from adapters where path = ?", [resolved]):
+        return str(row["id"])
+    return resolved
+
+
+def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], None] | None = None,
+                 _save_hook: Callable[[Path], None] | None = None) -> FinetuneResult:
+    """Fine-tune on the selected corrections and register the new adapter (see the module docstring)."""
+    from model_backend import AdapterError, load_model
+    from model_backend.loading import MissingModelError
+    from model_backend.policy import TransformersPolicy
+    from model_backend.training import TrainConfig, TrainingError, encode_rows, save_adapter, train, trainable_model
+
+    validate_request(req)
+    selected = select_corrections(store, req.episodes, req.annotated)
+    started = utcnow()
+    try:
+        loaded = load_model(req.spec, adapter=req.parent)
+    except (AdapterError, MissingModelError, ValueError) as exc:
+        raise FinetuneError(str(exc).splitlines()[0]) from None
+    tok = loaded.tokenizer
+    ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
+                        int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
+    rows = build_rows(store, selected, ctx)
+    if not rows:
+        raise FinetuneError("the selected branches give no training rows (no call or real response to learn from)")
+    config = TrainConfig(steps=req.steps, lr=req.lr, rank=req.rank, seed=req.seed, warmup_steps=min(5, req.steps),
+                         max_seq_len=None, pack_len=None)  # type: ignore[arg-type]
+    encoded, dropped = encode_rows(tok, rows)
+    policy = TransformersPolicy(loaded)
+    before = correction_metrics(policy, loaded.model, tok, rows, req.measure_agreement)
+    try:
+        model = trainable_model(loaded, config)
+        t0 = time.perf_counter()
+        result = train(model, encoded, config, progress=progress, dropped=len(dropped))
+    except TrainingError as exc:
+        raise FinetuneError(str(exc)) from None
+    policy = TransformersPolicy(_with_model(loaded, model))
+    after = correction_metrics(policy, model, tok, rows, req.measure_agreement)
+    parent_id = _registry_id(store, req.parent)
+    data = {"db": store.path, "annotations": [s.annotation_id for s in selected],
+            "branches": [s.branch_id for s in selected], "episodes": sorted({s.episode_id for s in selected}),
+            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)}}
+    metrics = {"before": before, "after": after, "train": result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
+    adapter_id = uuid.uuid4().hex[:12]
+    card = {"adapter_id": adapter_id, "parent": parent_id, "data": data, "metrics": metrics,
+            "config": result.config}
+    out = save_adapter(model, req.out, {"finetune.json": json.dumps(card, indent=2, default=str)},
+                       _after_write=_save_hook)
+    try:
+        run_id = _register(store, adapter_id, out, parent_id, data, metrics, result, started, req)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # registry unchanged: the adapter must not linger unregistered
+        raise
+    return FinetuneResult(adapter_id, out, run_id, parent_id, data, result.losses, metrics)
+
+
+def _with_model(loaded: Any, model: Any) -> Any:
+    from model_backend.loading import LoadedModel
+
+    return LoadedModel(model, loaded.tokenizer, loaded.spec, loaded.device, loaded.dtype, 0.0, False,
+                       adapter="(fine-tuned)")
+
+
+def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data: dict[str, Any],
+              metrics: dict[str, Any], result: Any, started: str, req: FinetuneRequest) -> int:
+    config = {**asdict(req), "out": str(req.out), "parent": str(req.parent) if req.parent else None}
+    with store._lock, store.db.atomic():
+        store.db["adapters"].insert({"id": adapter_id, "path": str(out.resolve()), "parent": parent,
+                                     "base_model": req.spec, "data": json.dumps(data),
+                                     "metrics": json.dumps(metrics), "created_at": utcnow()})
+        return int(store.db["finetune_runs"].insert({
+            "adapter_id": adapter_id, "parent": parent, "status": "finished", "config": json.dumps(config),
+            "data": json.dumps(data), "losses": json.dumps([round(x, 5) for x in result.losses]),
+            "metrics": json.dumps(metrics), "started_at": started, "finished_at": utcnow(), "error": None,
+        }).last_pk)
+
+
+__all__ = ["FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows", "correction_metrics",
+           "run_finetune", "select_corrections", "validate_request"]

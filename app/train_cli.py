@@ -1,0 +1,131 @@
+"""CLI: `train-agent` (build the shipped adapter) and `finetune` (light fine-tune on corrections).
+
+Imports stay light: torch, peft and the training modules load inside the commands.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from app.cli import UserError
+from app.config import default_db_path
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("train-agent", help="train the shipped agent adapter (~45 min on 2 cores)",
+                       description="Expert traces of the BFCL multi_turn_base training split -> joint "
+                                   "Act+Rehearse LoRA training -> one reward-filtered self-training round "
+                                   "-> adapter and model card in fixtures/adapters/.")
+    p.add_argument("--out", default=None, help="adapter directory (default: the shipped fixtures path)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling and training")
+    p.add_argument("--train-tasks", type=int, default=None, help="use only the first N training tasks")
+    p.add_argument("--round1-minutes", type=float, default=20.0, help="time budget of expert training")
+    p.add_argument("--rollout-minutes", type=float, default=7.0, help="time budget of self-training rollouts")
+    p.add_argument("--round2-minutes", type=float, default=6.0, help="time budget of self-training")
+    p.add_argument("--eval-tasks", type=int, default=6, help="held-out tasks for the base-vs-adapter table (0: skip)")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (minutes), not the shipped adapter")
+    p.set_defaults(func=cmd_train_agent)
+
+    p = sub.add_parser("finetune", help="fine-tune an adapter on corrected branches",
+                       description="Light LoRA fine-tune on annotated/corrected branches of a database; "
+                                   "registers the new adapter (parent, data, before/after metrics).")
+    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    p.add_argument("--annotated", action="store_true",
+                   help="also use annotated branches without a correction (their real response)")
+    p.add_argument("--episodes", nargs="+", default=None, help="only corrections in these episode ids")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps (1-10000)")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of a new adapter")
+    p.add_argument("--parent", default="default",
+                   help="adapter to continue: a directory, `default` (the shipped one) or `none` (base weights)")
+    p.add_argument("--out", required=True, help="new adapter directory (must not exist)")
+    p.add_argument("--model", default="embedded", help="base model spec")
+    p.add_argument("--no-agreement", action="store_true", help="skip the before/after Act generation")
+    p.set_defaults(func=cmd_finetune)
+
+
+def _bar(total: int, desc: str) -> tuple[Any, Callable[[Any], None]]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr)
+
+    def update(p: Any) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{p.loss:.3f}")
+    return bar, update
+
+
+def cmd_train_agent(args: argparse.Namespace) -> int:
+    from app.agent_training import SHIPPED_ADAPTER, AgentTrainingConfig, train_agent
+
+    cfg = AgentTrainingConfig(out=Path(args.out) if args.out else SHIPPED_ADAPTER, seed=args.seed,
+                              train_tasks=args.train_tasks, round1_minutes=args.round1_minutes,
+                              rollout_minutes=args.rollout_minutes, round2_minutes=args.round2_minutes,
+                              eval_tasks=args.eval_tasks)
+    if args.quick:
+        if not args.out:
+            raise UserError("--quick needs --out (it must not replace the shipped adapter)")
+        cfg.train_tasks, cfg.rehearse_rows, cfg.round1_steps, cfg.rollout_tasks = 4, 4, 3, 1
+        cfg.rollout_turns, cfg.round2_steps, cfg.expert_replay_rows = 1, 2, 2
+        cfg.eval_tasks, cfg.eval_turns, cfg.eval_forced_calls = min(cfg.eval_tasks, 1), 1, 4
+    bars: list[Any] = []
+
+    def factory(name: str, steps: int) -> Callable[[Any], None]:
+        for bar in bars:
+            bar.close()
+        bar, update = _bar(steps, name)
+        bars.append(bar)
+        return update
+
+    card = train_agent(cfg, report=lambda line: print(line, file=sys.stderr, flush=True), progress_factory=factory)
+    for bar in bars:
+        bar.close()
+    print(f"adapter written to {cfg.out} (model card: {cfg.out / 'README.md'}); "
+          f"{card['total_seconds'] / 60:.1f} min")
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from app.finetune import FinetuneError, FinetuneRequest, run_finetune, validate_request
+    from app.store import Store, StoreError
+
+    if args.parent == "none":
+        parent = None
+    elif args.parent == "default":
+        from app.agent_training import default_adapter_path
+
+        parent = default_adapter_path()
+    else:
+        parent = Path(args.parent)
+    req = FinetuneRequest(out=Path(args.out), steps=args.steps, lr=args.lr, rank=args.rank, parent=parent,
+                          episodes=args.episodes, annotated=args.annotated, spec=args.model,
+                          measure_agreement=not args.no_agreement)
+    db = args.db or default_db_path()
+    try:
+        validate_request(req)  # before opening anything: a typo costs nothing
+        if db != ":memory:" and not Path(db).is_file():
+            raise UserError(f"database {db} does not exist")
+        store = Store(db)
+    except FinetuneError as exc:
+        raise UserError(str(exc)) from None
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    bar, update = _bar(req.steps, "fine-tune")
+    try:
+        result = run_finetune(store, req, progress=update)
+    except (FinetuneError, StoreError) as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        bar.close()
+    m = result.metrics
+    print(f"adapter {result.adapter_id} written to {result.path} (parent {result.parent or 'base weights'}); "
+          f"run {result.run_id}")
+    print(json.dumps({"before": _brief(m["before"]), "after": _brief(m["after"]), "train": m["train"]}))
+    return 0
+
+
+def _brief(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if not k.endswith("_rows")}

@@ -1,0 +1,287 @@
+"""Act and Rehearse training rows from traces: expert replays, self-training episodes, corrections.
+
+Every row's prompt is built by the engine's own functions (`act_prompt`, `rehearse_prompt`)
+over a history rebuilt exactly as `EpisodeRunner._commit` builds it, so a model trains on
+the very prompts it later sees. Expert traces are recorded as ordinary `Episode`s (the
+ground-truth calls executed in the real environment), so one replay serves all sources.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from app import envs
+from app.envs.base import Task, Tool
+from app.formats import (HistoryItem, act_prompt, call_text, parse_action, rehearse_prompt,
+                         rehearse_target)
+from app.records import Annotation, Branch, Call, Episode, RunSettings, Step, TurnResult, utcnow
+from model_backend.base import Prompt
+from model_backend.training import TrainRow
+
+log = logging.getLogger(__name__)
+
+CountTokens = Callable[[str], int]
+FINAL_ANSWER = "Done: I have completed your request."
+"""The expert's reply at each turn end. BFCL judges state and results, not this text; the
+row teaches the agent to stop calling tools once the request is done."""
+EXPERT_MODEL = "expert"
+
+
+class CorrectionError(ValueError):
+    """An annotation that cannot become a training row (the message names it)."""
+
+
+@dataclass
+class PromptContext:
+    """What prompt rendering needs from the model: the same values the runner passes."""
+
+    count_tokens: CountTokens
+    context_window: int
+    settings: RunSettings = field(default_factory=RunSettings)
+
+
+# ---------------------------------------------------------------- expert traces
+
+
+def expert_episode(task: Task) -> Episode:
+    """The ground-truth calls of `task` executed in a real environment, recorded as an Episode.
+
+    Each turn ends with a plain-text answer step (`FINAL_ANSWER`). Turns are checked by
+    the task's judge, so the episode says whether the replay really succeeded.
+    """
+    if not task.ground_truth:
+        raise ValueError(f"task {task.id} has no ground truth")
+    env, judge = envs.make_env(task), envs.make_judge(task)
+    settings = RunSettings(mode="none", branches=1, shadow=False)
+    ep = Episode(id=f"expert-{task.id}", task_id=task.id, model=EXPERT_MODEL, settings=settings)
+    for turn, calls in enumerate(task.ground_truth):
+        if hasattr(env, "set_turn"):
+            env.set_turn(turn)
+        executed = []
+        for call_string in calls:
+            name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
+            call = Call(name=name, arguments=args)
+            before = env.state()
+            result = env.call(name, args)
+            branch = Branch(index=0, action_text=call_text(call), kind="call", call=call,
+                            actual=result.output, actual_error=result.error, actual_source="committed",
+                            chosen=True)
+            ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[branch], chosen=0, kind="call",
+                                 state_before=before, state_after=env.state(), external_calls=1))
+            executed.append((name, args, result.output))
+        answer = Branch(index=0, action_text=FINAL_ANSWER, kind="answer", chosen=True)
+        state = env.state()
+        ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[answer], chosen=0, kind="answer",
+                             state_before=state, state_after=state))
+        check = judge.check_turn(turn, env, executed)
+        ep.turn_results.append(TurnResult(turn=turn, success=check.success, state_ok=check.state_ok,
+                                          response_ok=check.response_ok, steps=len(calls) + 1))
+    ep.status, ep.finished_at = "finished", utcnow()
+    ep.success = all(t.success for t in ep.turn_results)
+    ep.external_calls = sum(s.external_calls for s in ep.steps)
+    return ep
+
+
+# ---------------------------------------------------------------- replay
+
+
+@dataclass
+class StepView:
+    """One step of a replayed episode, with the context the agent had when it decided."""
+
+    step: Step
+    history: list[HistoryItem]
+    """The conversation before the step (a copy)."""
+    tools: list[Tool]
+    """The tools available at the step."""
+
+
+def _open_turn(task: Task, turn: int, history: list[HistoryItem]) -> None:
+    """As `EpisodeRunner._open_turn`: the turn's user messages (BFCL's text for an empty miss_func turn)."""
+    messages = task.turns[turn] if turn < len(task.turns) else []
+    if not messages and task.extra.get("additional_function_prompt"):
+        messages = [{"role": "user", "content": task.extra["additional_function_prompt"]}]
+    for message in messages:
+        history.append(HistoryItem(role="user", content=message["content"], turn=turn))
+
+
+def _commit(branch: Branch, turn: int, history: list[HistoryItem]) -> None:
+    """As `EpisodeRunner._commit`, from the recorded branch instead of a live call."""
+    if branch.kind == "answer":
+        history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn))
+    elif branch.kind == "parse_error":
+        history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn))
+        history.append(HistoryItem(role="tool", content="", result=branch.actual, turn=turn))
+    else:
+        assert branch.call is not None
+        history.append(HistoryItem(role="assistant", content=call_text(branch.call), call=branch.call, turn=turn))
+        history.append(HistoryItem(role="tool", content="", result=branch.actual, turn=turn))
+
+
+def replay(episode: Episode, task: Task) -> Iterator[StepView]:
+    """Walk an episode's steps, rebuilding the runner's history before each one."""
+    env = envs.make_env(task)  # only for the tool list per turn; nothing is executed
+    history: list[HistoryItem] = []
+    turn = -1
+    for step in episode.steps:
+        while turn < step.turn:
+            turn += 1
+            if hasattr(env, "set_turn"):
+                env.set_turn(turn)
+            _open_turn(task, turn, history)
+        yield StepView(step, list(history), env.tools())
+        _commit(step.chosen_branch, step.turn, history)
+
+
+# ---------------------------------------------------------------- rows
+
+
+def act_row_prompt(view: StepView, ctx: PromptContext) -> Prompt:
+    s = ctx.settings
+    prefill = "<tool_call>" if s.tool_choice == "required" else ""
+    return act_prompt(view.tools, view.history, ctx.count_tokens, ctx.context_window,
+                      reserve=s.max_action_tokens + 32, prefill=prefill)
+
+
+def rehearse_row_prompt(view: StepView, call: Call, rehearsal_context: str = "history") -> Prompt:
+    tools = {t.name: t for t in view.tools}
+    state = view.step.state_before if rehearsal_context == "history+state" else None
+    return rehearse_prompt(tools.get(call.name), call, view.history, state)
+
+
+def act_target(branch: Branch, prefill: str = "") -> str | None:
+    """What the Act role should write for a branch (after any prefill); None when unusable."""
+    if branch.kind == "call" and branch.call is not None:
+        text = call_text(branch.call)
+    elif branch.kind == "answer" and branch.action_text.strip():
+        text = branch.action_text.strip()
+    else:
+        return None
+    if prefill:
+        if not text.startswith(prefill):
+            return None  # a plain answer cannot follow a forced `<tool_call>`
+        text = text[len(prefill):]
+    return text
+
+
+def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: str,
+                 turns: set[int] | None = None, rehearse_all_turns: bool = True) -> list[TrainRow]:
+    """Act rows for the committed branches (of `turns`, default all) and Rehearse rows for
+    every branch that has a real response (committed or shadow).
+
+    Real responses are right whatever the turn's outcome, so `rehearse_all_turns` keeps
+    Rehearse rows from turns outside `turns` too.
+    """
+    rows: list[TrainRow] = []
+    settings = ctx.settings.model_copy(update={"tool_choice": episode.settings.tool_choice})
+    ctx = PromptContext(ctx.count_tokens, ctx.context_window, settings)
+    for view in replay(episode, task):
+        step = view.step
+        ref = f"{episode.id}/{step.index}"
+        in_turns = turns is None or step.turn in turns
+        if in_turns:
+            prompt = act_row_prompt(view, ctx)
+            target = act_target(step.chosen_branch, prompt.prefill)
+            if target is not None:
+                rows.append(TrainRow("act", prompt, target, source, f"{ref}/{step.chosen}"))
+        if not (in_turns or rehearse_all_turns):
+            continue
+        for b in step.branches:
+            if b.kind == "call" and b.call is not None and b.actual_source is not None:
+                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, b.call, episode.settings.rehearsal_context),
+                                     rehearse_target(b.actual), source, f"{ref}/{b.index}"))
+    return rows
+
+
+def expert_rows(task_ids: Iterable[str], ctx: PromptContext) -> tuple[list[TrainRow], list[Episode]]:
+    """Rows from the expert replays of `task_ids` (only turns the judge passed)."""
+    rows: list[TrainRow] = []
+    episodes = []
+    for task_id in task_ids:
+        task = envs.load_task(task_id)
+        ep = expert_episode(task)
+        ok = {t.turn for t in ep.turn_results if t.success}
+        if len(ok) < len(ep.turn_results):
+            log.warning("expert replay of %s failed turns %s; skipping them", task_id,
+                        sorted({t.turn for t in ep.turn_results} - ok))
+        rows += episode_rows(ep, task, ctx, source="expert", turns=ok, rehearse_all_turns=False)
+        episodes.append(ep)
+    return rows, episodes
+
+
+def self_training_rows(episodes: Iterable[Episode], ctx: PromptContext) -> list[TrainRow]:
+    """Reward-filtered rows: Act rows of turns that passed the judge; Rehearse rows of every real response."""
+    rows: list[TrainRow] = []
+    for ep in episodes:
+        task = envs.load_task(ep.task_id)
+        ok = {t.turn for t in ep.turn_results if t.success}
+        rows += episode_rows(ep, task, ctx, source="self", turns=ok, rehearse_all_turns=True)
+    return rows
+
+
+# ---------------------------------------------------------------- corrections
+
+
+def _corrected_value(annotation: Annotation, annotation_id: Any) -> Any:
+    value = annotation.corrected_predicted
+    if isinstance(value, str):
+        # The UI stores what the person typed; it must be a JSON document.
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise CorrectionError(f"annotation {annotation_id}: the corrected response is not valid JSON "
+                                  f"({exc.msg} at position {exc.pos})") from None
+    return value
+
+
+def _corrected_action(annotation: Annotation, annotation_id: Any) -> Branch:
+    text = (annotation.corrected_action or "").strip()
+    parsed = parse_action(text)
+    if parsed.kind == "parse_error":
+        raise CorrectionError(f"annotation {annotation_id}: the corrected action is not a valid tool call "
+                              f"or answer ({parsed.error})")
+    return Branch(index=0, action_text=text, kind=parsed.kind, call=parsed.call)
+
+
+def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, int], tuple[Any, Annotation]],
+                    ctx: PromptContext) -> list[TrainRow]:
+    """Rows from annotated branches: corrected_action -> Act target, corrected_predicted -> Rehearse target.
+
+    `corrections` maps (step index, branch index) to (annotation id, annotation).
+    """
+    rows: list[TrainRow] = []
+    settings = ctx.settings.model_copy(update={"tool_choice": episode.settings.tool_choice})
+    ctx = PromptContext(ctx.count_tokens, ctx.context_window, settings)
+    for view in replay(episode, task):
+        for b in view.step.branches:
+            found = corrections.get((view.step.index, b.index))
+            if found is None:
+                continue
+            ann_id, ann = found
+            ref = f"{episode.id}/{view.step.index}/{b.index}#annotation{ann_id}"
+            if ann.corrected_action is not None and ann.corrected_action.strip():
+                prompt = act_row_prompt(view, ctx)
+                target = act_target(_corrected_action(ann, ann_id), prompt.prefill)
+                if target is None:
+                    raise CorrectionError(f"annotation {ann_id}: the corrected action must be a tool call "
+                                          "(the episode forced tool calls)")
+                rows.append(TrainRow("act", prompt, target, "correction", ref))
+            if ann.corrected_predicted is not None:
+                value = _corrected_value(ann, ann_id)
+                call = b.call
+                if call is None and ann.corrected_action:
+                    call = _corrected_action(ann, ann_id).call
+                if call is None:
+                    raise CorrectionError(f"annotation {ann_id}: a corrected response needs a branch with a tool call")
+                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context),
+                                     rehearse_target(value), "correction", ref))
+    return rows
+
+
+__all__ = [
+    "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "StepView", "act_row_prompt",
+    "act_target", "correction_rows", "episode_rows", "expert_episode", "expert_rows", "rehearse_row_prompt",
+    "replay", "self_training_rows",
+]

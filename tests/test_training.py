@@ -1,0 +1,263 @@
+"""Training: rows match the engine's prompts, atomic adapter saves, fine-tune validation and a real fine-tune.
+
+Fast tests use the scripted policy and the mock environment; tests marked `slow` load the
+real embedded model (about a minute in all on 2 cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from app import envs
+from app.cli import main
+from app.engine import EpisodeRunner
+from app.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
+from app.records import Annotation, RunSettings
+from app.store import Recorder, Store
+from app.training_data import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
+                               replay)
+from model_backend.training import TrainConfig, TrainingError, save_adapter
+from scripted import ScriptedPolicy
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+SCRIPT = [[call("set", key="color", value="blue"), call("list_keys")], ["Stored."],
+          [call("delete", key="size")], [call("get", key="color")], ["It is blue."]]
+
+
+def mock_episode(settings: RunSettings | None = None, store: Store | None = None):
+    task = envs.load_task("mock:kv")
+    policy = ScriptedPolicy([list(s) for s in SCRIPT], predict=lambda text: {"ok": True})
+    recorder = Recorder(store) if store is not None else None
+    runner = EpisodeRunner(task, policy, settings or RunSettings(mode="parallel", branches=2, selector="logprob"),
+                           on_step=recorder)
+    if recorder:
+        recorder.start(runner.episode)
+    runner.run_all()
+    if recorder:
+        recorder.flush(runner.episode)
+    return task, policy, runner.episode
+
+
+def ctx_for(policy) -> PromptContext:
+    return PromptContext(policy.count_tokens, policy.context_window)
+
+
+# ---- rows match what the engine renders ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings", [RunSettings(mode="parallel", branches=2, selector="logprob"),
+                                      RunSettings(mode="none", branches=1, tool_choice="required"),
+                                      RunSettings(mode="parallel", branches=2, selector="logprob",
+                                                  rehearsal_context="history+state")])
+def test_replayed_prompts_equal_the_engine_prompts(settings: RunSettings) -> None:
+    task, policy, ep = mock_episode(settings)
+    rows = episode_rows(ep, task, ctx_for(policy), source="self")
+    ctx = ctx_for(policy)
+    ctx.settings = settings
+    replayed = [act_row_prompt(view, ctx) for view in replay(ep, task)]
+    assert replayed == [p for p, _ in policy.act_calls] and len(replayed) == len(ep.steps)
+    rehearsed = [p for batch in policy.rehearse_calls for p in batch]
+    for r in (r for r in rows if r.role == "rehearse"):
+        assert r.prompt in rehearsed or settings.mode == "none"
+    if settings.tool_choice == "required":
+        assert all(not r.target.startswith("<tool_call>") for r in rows if r.role == "act")
+
+
+def test_expert_episode_replays_ground_truth_and_ends_turns() -> None:
+    task = envs.load_task("bfcl:multi_turn_base_0")
+    ep = expert_episode(task)
+    assert ep.success and all(t.success for t in ep.turn_results)
+    gold = sum(len(t) for t in task.ground_truth)
+    assert len(ep.steps) == gold + len(task.turns)
+    rows = episode_rows(ep, task, PromptContext(lambda t: max(1, len(t) // 4), 8192), source="expert")
+    acts = [r for r in rows if r.role == "act"]
+    assert len(acts) == len(ep.steps) and sum(r.target == FINAL_ANSWER for r in acts) == len(task.turns)
+    assert sum(r.role == "rehearse" for r in rows) == gold
+    # A later prompt extends the earlier one: the history holds the call and its real result.
+    views = list(replay(ep, task))
+    assert views[1].history[-1].role == "tool" and views[1].history[-1].result == ep.steps[0].branches[0].actual
+
+
+# ---- atomic saves ---------------------------------------------------------------------------------------
+
+
+class FakeModel:
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        Path(path, "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/x/y"}))
+        Path(path, "adapter_model.safetensors").write_bytes(b"weights")
+
+
+def _boom(tmp: Path) -> None:
+    raise KeyboardInterrupt("killed mid-save")
+
+
+def test_save_is_atomic_and_a_killed_save_leaves_nothing(tmp_path: Path) -> None:
+    out = save_adapter(FakeModel(), tmp_path / "a")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(TrainingError, match="already exists"):
+        save_adapter(FakeModel(), tmp_path / "a")
+    with pytest.raises(KeyboardInterrupt):
+        save_adapter(FakeModel(), tmp_path / "b", _after_write=_boom)
+    with pytest.raises(KeyboardInterrupt):
+        save_adapter(FakeModel(), tmp_path / "a", replace=True, extra_files={"x": "new"}, _after_write=_boom)
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no partial "b", no temp dirs
+    assert not (tmp_path / "a" / "x").exists()    # the old adapter is intact
+    save_adapter(FakeModel(), tmp_path / "a", replace=True, extra_files={"x": "new"})
+    assert (tmp_path / "a" / "x").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["a"]
+
+
+# ---- fine-tune input validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"steps": 0}, "--steps must be between 1 and 10000"),
+    ({"steps": 10_001}, "--steps must be between 1 and 10000"),
+    ({"lr": 0.0}, "--lr must be > 0"),
+    ({"lr": -1e-3}, "--lr must be > 0"),
+    ({"rank": 0}, "--rank must be between"),
+    ({"parent": Path("/nonexistent/adapter")}, "is not a LoRA adapter directory"),
+])
+def test_bad_requests(tmp_path: Path, changes: dict, message: str) -> None:
+    req = FinetuneRequest(out=tmp_path / "new", **changes)
+    with pytest.raises(FinetuneError, match=message):
+        validate_request(req)
+
+
+def test_existing_out_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FinetuneError, match="already exists"):
+        validate_request(FinetuneRequest(out=tmp_path))
+
+
+def test_train_config_validation() -> None:
+    for bad in ({"steps": 0}, {"lr": 0.0}, {"act_weight": 0.0, "rehearse_weight": 0.0}):
+        with pytest.raises(TrainingError):
+            TrainConfig(**bad).validate()
+
+
+def _store_with_episode(tmp_path: Path) -> tuple[Store, object, object]:
+    store = Store(tmp_path / "t.db")
+    task, policy, ep = mock_episode(store=store)
+    return store, policy, ep
+
+
+def _branch_ids(store: Store, episode_id: str, kind: str = "call") -> list[int]:
+    return [r["id"] for r in store.branch_rows(episode_id) if r["kind"] == kind]
+
+
+def test_no_corrections_is_a_clear_error(tmp_path: Path) -> None:
+    store, _, ep = _store_with_episode(tmp_path)
+    with pytest.raises(FinetuneError, match="no corrected branches"):
+        select_corrections(store)
+    store.add_annotation(Annotation(branch_id=_branch_ids(store, ep.id)[0], label="match"))
+    with pytest.raises(FinetuneError, match="pass --annotated"):
+        select_corrections(store)
+    assert len(select_corrections(store, annotated=True)) == 1
+    with pytest.raises(FinetuneError, match="in episodes nope"):
+        select_corrections(store, episodes=["nope"], annotated=True)
+
+
+@pytest.mark.parametrize("annotation, message", [
+    ({"corrected_predicted": '{"value": "blue"'}, "corrected response is not valid JSON"),
+    ({"corrected_action": '<tool_call>{"name": </tool_call>'}, "corrected action is not a valid tool call"),
+])
+def test_invalid_corrections(tmp_path: Path, annotation: dict, message: str) -> None:
+    store, _, ep = _store_with_episode(tmp_path)
+    store.add_annotation(Annotation(branch_id=_branch_ids(store, ep.id)[0], label="major", **annotation))
+    with pytest.raises(FinetuneError, match=message):
+        select_corrections(store)
+
+
+def test_correction_rows_use_corrected_targets(tmp_path: Path) -> None:
+    store, policy, ep = _store_with_episode(tmp_path)
+    ids = _branch_ids(store, ep.id)
+    store.add_annotation(Annotation(branch_id=ids[0], corrected_predicted={"ok": False}))
+    store.add_annotation(Annotation(branch_id=ids[1], corrected_action=call("get", key="size")))
+    from app.finetune import build_rows
+
+    rows = build_rows(store, select_corrections(store), ctx_for(policy))
+    assert [(r.role, r.target) for r in rows] == [
+        ("rehearse", '{"ok": false}</execution_result>'),
+        ("act", call("get", key="size"))]
+    assert rows[0].prompt == policy.rehearse_calls[0][0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be between 1 and 10000"),
+    (["--steps", "5", "--lr", "0"], "--lr must be > 0"),
+    (["--steps", "5", "--parent", "/nonexistent"], "is not a LoRA adapter directory"),
+])
+def test_cli_errors_are_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    code = main(["finetune", "--db", str(tmp_path / "x.db"), "--out", str(tmp_path / "new"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_missing_db(tmp_path: Path, capsys) -> None:
+    code = main(["finetune", "--db", str(tmp_path / "x.db"), "--steps", "3", "--out", str(tmp_path / "n"),
+                 "--parent", "none"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+# ---- the real model ----------------------------------------------------------------------------------
+
+
+def _table_counts(store: Store) -> tuple[int, int]:
+    return store.db["adapters"].count, store.db["finetune_runs"].count
+
+
+@pytest.mark.slow
+def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> None:
+    store, _, ep = _store_with_episode(tmp_path)
+    ids = _branch_ids(store, ep.id)
+    assert len(ids) >= 3
+    corrections = [{"value": "navy blue"}, {"keys": ["color"]}, {"error": "no such key: size"}]
+    for branch_id, fixed in zip(ids[:3], corrections):
+        store.add_annotation(Annotation(branch_id=branch_id, label="major", corrected_predicted=fixed))
+    result = run_finetune(store, FinetuneRequest(out=tmp_path / "ft1", steps=8, lr=2e-3, rank=8, parent=None,
+                                                 measure_agreement=False))
+    losses = result.losses
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
+    before, after = result.metrics["before"], result.metrics["after"]
+    assert after["rehearse_nll"] < before["rehearse_nll"], (before, after)
+    assert result.data["rows"] == {"act": 0, "rehearse": 3}
+    row = store.db["adapters"].get(result.adapter_id)
+    assert row["parent"] is None and json.loads(row["data"])["annotations"] == [a["id"] for a in store.annotations()]
+    assert (tmp_path / "ft1" / "adapter_model.safetensors").is_file()
+
+    # A second fine-tune from that adapter, killed mid-save: nothing changes.
+    counts = _table_counts(store)
+    parent_files = {p.name: p.read_bytes() for p in (tmp_path / "ft1").iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        run_finetune(store, FinetuneRequest(out=tmp_path / "ft2", steps=2, lr=1e-3, parent=tmp_path / "ft1",
+                                            measure_agreement=False), _save_hook=_boom)
+    assert not (tmp_path / "ft2").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".ft2")]
+    assert _table_counts(store) == counts
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ft1").iterdir()} == parent_files
+
+    # It finishes when not killed, and the registry records the parent.
+    second = run_finetune(store, FinetuneRequest(out=tmp_path / "ft2", steps=2, lr=1e-3, parent=tmp_path / "ft1",
+                                                 measure_agreement=False))
+    assert second.parent == result.adapter_id
+    run = next(store.db["finetune_runs"].rows_where("adapter_id = ?", [second.adapter_id]))
+    assert run["parent"] == result.adapter_id and run["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_training_render_equals_policy_render() -> None:
+    import model_backend
+    from model_backend.training import render
+
+    policy = model_backend.load_policy("embedded")
+    task, scripted, _ = mock_episode()
+    for prompt, _ in scripted.act_calls[:2]:
+        assert render(policy.tokenizer, prompt) == policy.render(prompt)
+    prompt = scripted.rehearse_calls[0][0]
+    assert render(policy.tokenizer, prompt) == policy.render(prompt)
