@@ -223,6 +223,118 @@ class Store:
             return self._guard(lambda: list(self.db["annotations"].rows))
         return self._guard(lambda: list(self.db["annotations"].rows_where("branch_id = ?", [branch_id])))
 
+    # ---------------------------------------------------------------- reads for the UI (traces, annotate, dashboard)
+
+    @staticmethod
+    def _episode_where(alias: str = "e", **filters: Any) -> tuple[str, dict[str, Any]]:
+        """A WHERE clause over episodes: equality filters, `task_ids`, `success`, and a date range.
+
+        `success` is "yes", "no" or "unknown" (never judged); `since`/`until` are YYYY-MM-DD
+        and inclusive; `task_contains` matches part of the task id.
+        """
+        clauses, params = [], {}
+        for name in ("task_id", "mode", "model", "adapter", "selector"):
+            value = filters.get(name)
+            if value is not None:
+                clauses.append(f"{alias}.[{name}] = :{name}")
+                params[name] = value
+        if filters.get("task_contains"):
+            clauses.append(f"{alias}.task_id like :task_contains")
+            params["task_contains"] = f"%{filters['task_contains']}%"
+        task_ids = filters.get("task_ids")
+        if task_ids is not None:
+            names = [f"t{i}" for i in range(len(task_ids))]
+            clauses.append(f"{alias}.task_id in ({', '.join(':' + n for n in names)})" if names else "0")
+            params.update(zip(names, task_ids))
+        success = filters.get("success")
+        if success is not None:
+            clauses.append({"yes": f"{alias}.success = 1", "no": f"{alias}.success = 0",
+                            "unknown": f"{alias}.success is null"}[success])
+        if filters.get("since"):
+            clauses.append(f"substr({alias}.created_at, 1, 10) >= :since")
+            params["since"] = filters["since"]
+        if filters.get("until"):
+            clauses.append(f"substr({alias}.created_at, 1, 10) <= :until")
+            params["until"] = filters["until"]
+        return (" and ".join(clauses) or "1"), params
+
+    def find_episodes(self, limit: int = 500, **filters: Any) -> list[dict[str, Any]]:
+        """Episode rows, newest first, under `_episode_where` filters."""
+        where, params = self._episode_where(**filters)
+        sql = f"select e.* from episodes e where {where} order by e.created_at desc, e.rowid desc limit {int(limit)}"
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql, params)])
+
+    def episode_values(self, column: str) -> list[Any]:
+        """Distinct non-null values of one episode column (for filter choices)."""
+        if column not in ("task_id", "mode", "model", "adapter", "selector"):
+            raise ValueError(f"not a filterable episode column: {column}")
+        sql = f"select distinct [{column}] as v from episodes where [{column}] is not null order by v"
+        return self._guard(lambda: [r["v"] for r in self.db.query(sql)])
+
+    def annotation_queue(self, *, diverged: bool = False, unannotated: bool = False, tool: str | None = None,
+                         episode_id: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
+        """Branches to review, oldest episode step first, with their annotation count.
+
+        Diverged: the rehearsal was not valid JSON, not exact, disagreed on error, or the
+        action did not parse.
+        """
+        clauses, params = [], {}
+        if diverged:
+            clauses.append("(b.kind = 'parse_error' or b.json_valid = 0 or b.exact = 0 or b.error_agree = 0)")
+        if unannotated:
+            clauses.append("not exists (select 1 from annotations a where a.branch_id = b.id)")
+        if tool:
+            clauses.append("b.call_name = :tool")
+            params["tool"] = tool
+        if episode_id:
+            clauses.append("b.episode_id = :episode_id")
+            params["episode_id"] = episode_id
+        where = " and ".join(clauses) or "1"
+        sql = (f"select b.id, b.episode_id, b.step_idx, b.idx, b.kind, b.call_name, b.chosen, b.json_valid, "
+               f"b.exact, b.field_f1, b.error_agree, b.actual_source, e.task_id, e.mode, "
+               f"(select count(*) from annotations a where a.branch_id = b.id) as n_annotations "
+               f"from branches b join episodes e on e.id = b.episode_id where {where} "
+               f"order by e.created_at, b.episode_id, b.step_idx, b.idx limit {int(limit)}")
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql, params)])
+
+    def branch_tools(self) -> list[str]:
+        """Distinct tool names among stored branches."""
+        sql = "select distinct call_name from branches where call_name is not null order by call_name"
+        return self._guard(lambda: [r["call_name"] for r in self.db.query(sql)])
+
+    def get_branch(self, branch_id: int) -> tuple[dict[str, Any], Branch]:
+        """One branch by its row id: its row (with the episode's task and mode) and the record."""
+        sql = ("select b.*, e.task_id, e.mode, e.model, e.adapter from branches b "
+               "join episodes e on e.id = b.episode_id where b.id = ?")
+
+        def read() -> tuple[dict[str, Any], Branch]:
+            rows = [dict(r) for r in self.db.query(sql, [branch_id])]
+            if not rows:
+                raise StoreError(f"no branch with id {branch_id}")
+            return rows[0], _branch_from_row(rows[0])
+        return self._guard(read)
+
+    def dashboard_branches(self, **filters: Any) -> list[dict[str, Any]]:
+        """Branch metrics joined with their episode's mode/model/adapter/selector, under episode filters."""
+        where, params = self._episode_where(**filters)
+        sql = (f"select b.id, b.episode_id, b.step_idx, b.idx, b.kind, b.call_name, b.chosen, b.json_valid, "
+               f"b.exact, b.field_f1, b.error_agree, b.surprise, b.actual_source, b.actual_error, b.scores, "
+               f"e.mode, e.model, e.adapter, e.selector from branches b join episodes e on e.id = b.episode_id "
+               f"where {where} order by b.episode_id, b.step_idx, b.idx")
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql, params)])
+
+    def annotation_label_counts(self, **filters: Any) -> list[dict[str, Any]]:
+        """Annotations per label (None: unlabelled corrections), under episode filters."""
+        where, params = self._episode_where(**filters)
+        sql = (f"select a.label as label, count(*) as n from annotations a join branches b on b.id = a.branch_id "
+               f"join episodes e on e.id = b.episode_id where {where} group by a.label order by n desc")
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql, params)])
+
+    def adapter_paths(self) -> list[str]:
+        """Paths of registered adapters (for the model picker)."""
+        sql = "select path from adapters where path is not null order by created_at"
+        return self._guard(lambda: [r["path"] for r in self.db.query(sql)])
+
 
 def _branch_from_row(r: dict[str, Any]) -> Branch:
     metrics = {}

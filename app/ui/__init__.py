@@ -1,0 +1,49 @@
+"""The Gradio inspector: Run, Traces, Annotate and Dashboard tabs.
+
+`build_demo()` holds only layout and wiring; each tab has a layout module and a
+callbacks module, and the work happens in `app.inspect_service` and `app.ui.render`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import gradio as gr
+
+from app.config import default_db_path
+from app.inspect_service import Services
+from app.ui import constants as C
+from app.ui.annotate_callbacks import AnnotateCallbacks
+from app.ui.annotate_tab import build_annotate_tab
+from app.ui.assets import KEYBOARD_JS
+from app.ui.dashboard_tab import build_dashboard_tab
+from app.ui.run_tab import build_run_tab
+from app.ui.traces_tab import build_traces_tab
+
+__all__ = ["build_demo"]
+
+INTRO = f"""## {C.TITLE}
+Step a tool-using agent that **rehearses** its calls: each step proposes K candidate calls, the model
+predicts each call's response, a selector commits one to the real tools, and read-only alternatives run on
+forks. Compare predicted and actual responses, annotate divergences, and track fidelity on the dashboard."""
+
+
+def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None) -> gr.Blocks:
+    """The app. `policy_loader(model, adapter)` replaces model loading (tests inject a scripted policy)."""
+    services = Services(db_path or default_db_path(), policy_loader)
+    with gr.Blocks(title=C.TITLE, fill_width=True) as demo:
+        gr.Markdown(INTRO)
+        with gr.Tabs():
+            with gr.Tab("Run", id="run"):
+                run = build_run_tab(services)
+            with gr.Tab("Traces", id="traces") as traces:
+                build_traces_tab(services, traces)
+            with gr.Tab("Annotate", id="annotate") as annotate:
+                annotator = build_annotate_tab(services, annotate)
+            with gr.Tab("Dashboard", id="dashboard") as dash:
+                build_dashboard_tab(services, dash)
+        demo.load(None, js=KEYBOARD_JS)
+        demo.load(AnnotateCallbacks.annotator_from_login, None, annotator, api_visibility="private")
+        demo.load(run["adapter_choices"], None, run["adapter"], api_visibility="private")
+    demo.queue(default_concurrency_limit=C.MODEL_CONCURRENCY, max_size=64)
+    demo.services = services  # type: ignore[attr-defined]  # tests and app.py reach the store through it
+    return demo

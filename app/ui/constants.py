@@ -1,0 +1,60 @@
+"""Labels, choices, defaults and element ids shared by the layout, the callbacks and the tests.
+
+A label a callback compares against lives here once: a drifted copy would be a silent bug.
+"""
+from __future__ import annotations
+
+from app.config import DEFAULT_MODEL, DEFAULT_TASK
+from app.records import LABELS, MODES, REHEARSAL_CONTEXTS, SELECTORS
+
+__all__ = ["LABELS", "MODES", "REHEARSAL_CONTEXTS", "SELECTORS", "DEFAULT_MODEL", "DEFAULT_TASK"]
+
+TITLE = "EnvACE Inspector"
+
+SOURCE_TASK = "Benchmark task"
+SOURCE_INSTRUCTION = "My instruction"
+SOURCES = (SOURCE_TASK, SOURCE_INSTRUCTION)
+ALL = "(all)"
+NO_ADAPTER = "(none)"
+SUCCESS_CHOICES = (ALL, "yes", "no", "unknown")
+DEFAULT_INSTRUCTION_ENV = "GorillaFileSystem"
+
+# Defaults of the Run tab. Smaller than the CLI's: on a 2-core CPU Space a step with K=2
+# and short generations takes about 10-20 s, which keeps the first visit interactive.
+UI_DEFAULTS = {
+    "mode": "parallel",
+    "branches": 2,
+    "selector": "judge",
+    "temperature": 0.8,
+    "seed": 0,
+    "shadow": True,
+    "rehearsal_context": "history",
+    "tool_required": True,  # the base embedded model seldom writes <tool_call> unprompted
+    "max_action_tokens": 64,
+    "max_rehearsal_tokens": 96,
+}
+
+MODEL_CONCURRENCY = 2
+"""Model events running at once across all sessions. The policy runs one forward pass at a
+time anyway; a second slot lets a second visitor start while the first is mid-step, and
+lets a duplicate press in one session be refused at once instead of waiting behind itself."""
+
+# Buttons (their visible names are what the browser test clicks).
+STEP, RUN_TURN, RUN_ALL, STOP, RESET = "Step", "Run turn", "Run to end", "Stop", "Reset"
+SAVE_NEXT, PREV, NEXT = "Save & next", "◀ Prev", "Next ▶"
+
+# Element ids used by the keyboard script and the browser test.
+ID_RUN_MESSAGE = "run-message"
+ID_RUN_STATUS = "run-status"
+ID_CARDS = "run-cards"
+ID_ANN_PANEL = "annotate-panel"
+ID_ANN_LABEL = "ann-label"
+ID_ANN_SAVE = "ann-save"
+ID_ANN_PREV = "ann-prev"
+ID_ANN_NEXT = "ann-next"
+ID_ANN_CHEATSHEET = "ann-cheatsheet"
+ID_ANN_MESSAGE = "ann-message"
+ID_ANN_CODE = "ann-corrected-predicted"
+ID_TRACES_STATUS = "traces-status"
+ID_TRACES_TABLE = "traces-table"
+ID_TRACES_CARDS = "traces-cards"

@@ -1,0 +1,268 @@
+"""Views of episodes for the UI: chat messages, branch cards, state diffs, tables (pure functions).
+
+Everything here takes records and returns plain values (HTML strings, message dicts,
+table rows), so it is fast to test and to benchmark. HTML is escaped at every
+interpolation.
+"""
+from __future__ import annotations
+
+import difflib
+import html
+import json
+from typing import Any
+
+from deepdiff import DeepDiff
+
+from app.formats import canonical_json
+from app.records import Branch, Episode, Step
+
+PRE_CHARS = 4000
+"""Longest JSON shown in a card before it is cut (the full value stays in the store)."""
+STATE_CHARS = 20000
+DIFF_LINES = 120
+"""Diffs longer than this are cut: past that a person reads the stored JSON instead."""
+CHAT_CHARS = 1500
+
+
+def esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def pretty(value: Any, limit: int = PRE_CHARS) -> str:
+    """Canonical (sorted-key) JSON, indented one space a level, cut to `limit` characters."""
+    text = json.dumps(value, sort_keys=True, indent=1, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 20] + "\n... (cut)"
+
+
+def short(value: Any, limit: int = 90) -> str:
+    text = value if isinstance(value, str) else canonical_json(value)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def action_label(b: Branch) -> str:
+    if b.kind == "call" and b.call is not None:
+        return f"{b.call.name}({short(b.call.arguments, 70)})"
+    if b.kind == "answer":
+        return f"answer: {short(b.action_text, 70)}"
+    return "unparseable action"
+
+
+# ---------------------------------------------------------------- conversation
+
+
+def _step_messages(step: Step) -> list[dict[str, Any]]:
+    b = step.chosen_branch
+    if b.kind == "answer":
+        return [{"role": "assistant", "content": b.action_text.strip()[:CHAT_CHARS]}]
+    if b.kind == "parse_error":
+        return [{"role": "assistant", "content": f"```\n{b.action_text.strip()[:CHAT_CHARS]}\n```",
+                 "metadata": {"title": f"⚠️ Step {step.index}: unparseable action ({short(b.parse_error or '', 60)})",
+                              "status": "done"}}]
+    result = pretty(b.actual, CHAT_CHARS)
+    return [{"role": "assistant", "content": f"```json\n{result}\n```",
+             "metadata": {"title": f"🛠️ Step {step.index}: {action_label(b)}",
+                          "log": "error" if b.actual_error else "result", "status": "done"}}]
+
+
+def chat_messages(turns: list[list[dict[str, str]]], steps: list[Step], open_turn: int | None = None,
+                  upto: int | None = None) -> list[dict[str, Any]]:
+    """User turns, committed calls with their actual results, final answers (`gr.Chatbot` messages).
+
+    `open_turn`: a turn the agent is in (or about to start) whose user message shows even
+    before its first step. `upto`: show steps up to this index only (read-only replay).
+    """
+    shown = [s for s in steps if upto is None or s.index <= upto]
+    last_turn = max([s.turn for s in shown] + ([open_turn] if open_turn is not None else []), default=-1)
+    messages: list[dict[str, Any]] = []
+    by_turn: dict[int, list[Step]] = {}
+    for s in shown:
+        by_turn.setdefault(s.turn, []).append(s)
+    for t in range(last_turn + 1):
+        for m in turns[t] if t < len(turns) else []:
+            messages.append({"role": "user", "content": m["content"]})
+        for s in by_turn.get(t, []):
+            messages.extend(_step_messages(s))
+    return messages
+
+
+# ---------------------------------------------------------------- branch cards
+
+
+def json_diff(predicted: Any, actual: Any, raw: str | None = None) -> str:
+    """Line diff (difflib) of predicted vs actual over canonical JSON, as highlighted HTML.
+
+    `raw`: the rehearsal's own text, diffed as is when it did not parse as JSON.
+    """
+    a = (raw[:PRE_CHARS] if raw is not None else pretty(predicted)).splitlines()
+    b = pretty(actual).splitlines()
+    out: list[str] = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if op == "equal":
+            out += [f'<span class="ea-eq">  {esc(line)}</span>' for line in a[i1:i2]]
+            continue
+        out += [f'<span class="ea-del">- {esc(line)}</span>' for line in a[i1:i2]]
+        out += [f'<span class="ea-add">+ {esc(line)}</span>' for line in b[j1:j2]]
+    if len(out) > DIFF_LINES:
+        out = out[:DIFF_LINES] + [f'<span class="ea-eq">... {len(out) - DIFF_LINES} more line(s)</span>']
+    return "".join(out)  # the spans are blocks: a newline between them would double the spacing
+
+
+def _flag(value: bool | None) -> str:
+    return "–" if value is None else ("✓" if value else "✗")
+
+
+def metrics_html(b: Branch) -> str:
+    m = b.metrics
+    if m.json_valid is None:
+        return '<div class="ea-metrics">no metrics: nothing to compare (not rehearsed, or not executed)</div>'
+    f1 = "–" if m.field_f1 is None else f"{m.field_f1:.2f}"
+    surprise = "–" if m.surprise is None else f"{m.surprise:.2f}"
+    return (f'<div class="ea-metrics">json_valid {_flag(m.json_valid)} · exact {_flag(m.exact)} · '
+            f'field_f1 {f1} · error_agree {_flag(m.error_agree)} · surprise {surprise}</div>')
+
+
+def branch_card(b: Branch) -> str:
+    classes = "ea-card ea-committed" if b.chosen else "ea-card"
+    badge = '<span class="ea-badge ea-badge-committed">✓ committed</span>' if b.chosen else \
+        '<span class="ea-badge">not committed</span>'
+    origin = "sampled" if b.sampled else "greedy"
+    dup = f" · +{b.duplicates} duplicate(s)" if b.duplicates else ""
+    scores = " ".join(f"{esc(k)} {v:.3f}" for k, v in b.scores.items())
+    head = (f'<div class="ea-card-head">{badge} <b>b{b.index}</b> <span class="ea-dim">{origin}{dup}</span> '
+            f'<code class="ea-action">{esc(action_label(b))}</code>'
+            + (f' <span class="ea-scores">scores: {scores}</span>' if scores else "") + "</div>")
+    if b.kind == "parse_error":
+        body = (f'<div class="ea-parse-error">Parse error: {esc(b.parse_error)}</div>'
+                f'<pre class="ea-pre">{esc(b.action_text[:PRE_CHARS])}</pre>')
+    elif b.kind == "answer":
+        body = (f'<div class="ea-label">Final answer (nothing to rehearse)</div>'
+                f'<pre class="ea-pre">{esc(b.action_text.strip()[:PRE_CHARS])}</pre>')
+    else:
+        invalid = b.predicted_text is not None and b.predicted is None and b.metrics.json_valid is not True
+        if b.predicted_text is None:
+            predicted = '<pre class="ea-pre ea-dim">not rehearsed (mode none)</pre>'
+        elif invalid:
+            predicted = (f'<div class="ea-parse-error">Not valid JSON</div>'
+                         f'<pre class="ea-pre">{esc(b.predicted_text[:PRE_CHARS])}</pre>')
+        else:
+            predicted = f'<pre class="ea-pre">{esc(pretty(b.predicted))}</pre>'
+        if b.actual_source is None:
+            actual_label = "Actual · none"
+            actual = '<pre class="ea-pre ea-dim">not executed (a write call on a branch not committed)</pre>'
+        else:
+            actual_label = f"Actual · {b.actual_source}" + (" · error" if b.actual_error else "")
+            actual = f'<pre class="ea-pre">{esc(pretty(b.actual))}</pre>'
+        body = (f'<div class="ea-grid"><div><div class="ea-label">Predicted</div>{predicted}</div>'
+                f'<div><div class="ea-label">{esc(actual_label)}</div>{actual}</div></div>')
+        if b.predicted_text is not None and b.actual_source is not None:
+            body += (f'<details class="ea-diff-box" open><summary>Diff: predicted (-) vs actual (+)</summary>'
+                     f'<pre class="ea-diff">{json_diff(b.predicted, b.actual, raw=b.predicted_text if invalid else None)}'
+                     '</pre></details>')
+    return f'<div class="{classes}" data-branch="{b.index}">{head}{body}{metrics_html(b)}</div>'
+
+
+def step_header(step: Step) -> str:
+    return (f'<div class="ea-step-head">Step {step.index} · turn {step.turn + 1} · {len(step.branches)} branch(es) · '
+            f'{step.rehearsals} rehearsed · {step.shadow_calls} shadow · {step.external_calls} external · '
+            f'{step.duration_s:.1f} s</div>')
+
+
+def branch_cards(step: Step | None, empty: str = "No step yet: press Step.") -> str:
+    if step is None:
+        return f'<div class="ea-cards"><div class="ea-empty">{esc(empty)}</div></div>'
+    return '<div class="ea-cards">' + step_header(step) + "".join(branch_card(b) for b in step.branches) + "</div>"
+
+
+# ---------------------------------------------------------------- state
+
+
+def _path(p: str) -> str:
+    return p[4:] if p.startswith("root") else p
+
+
+def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, Any, Any]]:
+    """(path, change, old, new) rows from deepdiff, in path order."""
+    diff = DeepDiff(before, after, verbose_level=2)
+    rows: list[tuple[str, str, Any, Any]] = []
+    for kind, items in diff.items():
+        if kind in ("values_changed", "type_changes"):
+            rows += [(_path(p), "changed", v.get("old_value"), v.get("new_value")) for p, v in items.items()]
+        elif kind.endswith("_added"):
+            rows += [(_path(p), "added", None, v) for p, v in dict(items).items()]
+        elif kind.endswith("_removed"):
+            rows += [(_path(p), "removed", v, None) for p, v in dict(items).items()]
+    return sorted(rows, key=lambda r: r[0])
+
+
+def state_view(step: Step | None) -> str:
+    if step is None:
+        return '<div class="ea-state"><div class="ea-empty">The environment state appears after the first step.</div></div>'
+    rows = state_changes(step.state_before, step.state_after)
+    if rows:
+        body = "".join(f'<tr class="ea-{kind}"><td><code>{esc(path)}</code></td><td>{kind}</td>'
+                       f'<td><code>{esc(short(old, 120)) if kind != "added" else ""}</code></td>'
+                       f'<td><code>{esc(short(new, 120)) if kind != "removed" else ""}</code></td></tr>'
+                       for path, kind, old, new in rows)
+        table = (f'<table class="ea-table"><thead><tr><th>path</th><th>change</th><th>before</th><th>after</th>'
+                 f'</tr></thead><tbody>{body}</tbody></table>')
+    else:
+        table = '<div class="ea-dim">No state change in this step.</div>'
+    states = "".join(f'<details><summary>State {when}</summary>'
+                     f'<pre class="ea-pre">{esc(pretty(value, STATE_CHARS))}</pre></details>'
+                     for when, value in (("before", step.state_before), ("after", step.state_after)))
+    return (f'<div class="ea-state"><div class="ea-label">State diff, step {step.index}: {len(rows)} change(s)</div>'
+            f'{table}{states}</div>')
+
+
+# ---------------------------------------------------------------- episode summaries
+
+
+def timeline_choices(steps: list[Step]) -> list[tuple[str, int]]:
+    return [(f"{s.index} · t{s.turn + 1} · {short(action_label(s.chosen_branch), 40)}", s.index) for s in steps]
+
+
+def episode_status(ep: Episode | None, note: str = "") -> str:
+    if ep is None:
+        return f"No episode yet. {note}".strip()
+    s = ep.settings
+    success = {None: "–", True: "yes", False: "no"}[ep.success]
+    turns = ", ".join(f"t{t.turn + 1} {'✓' if t.success else '✗'}" for t in ep.turn_results) or "–"
+    return (f"**Episode** `{ep.id}` · task `{ep.task_id}` · **{ep.status}** · steps {len(ep.steps)} · "
+            f"external calls {ep.external_calls} · shadow {ep.shadow_calls} · rehearsals {ep.rehearsals} · "
+            f"turns {turns} · success {success}  \n"
+            f"model `{ep.model}`{f' + `{ep.adapter}`' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
+            f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
+            f"context {s.rehearsal_context}" + (f"  \n{note}" if note else ""))
+
+
+EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",
+                   "external calls", "created"]
+
+
+def episode_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    success = {None: "", 1: "yes", 0: "no"}
+    return [[r["id"], r["task_id"], r["mode"], r["branches"], r["selector"], r["model"], r["adapter"] or "",
+             r["status"], success.get(r["success"], ""), r["n_steps"], r["external_calls"],
+             (r["created_at"] or "")[:19].replace("T", " ")] for r in rows]
+
+
+def comparison(a: Episode, b: Episode, first: int | None) -> str:
+    """Two episodes step by step, the first differing step marked."""
+    n = max(len(a.steps), len(b.steps))
+    verdict = ("They commit the same actions at every step." if first is None
+               else f"First difference at step {first}.")
+    rows = []
+    for i in range(n):
+        cells = []
+        for ep in (a, b):
+            s = ep.steps[i] if i < len(ep.steps) else None
+            cells.append("" if s is None else f"<code>{esc(action_label(s.chosen_branch))}</code>"
+                         f" <span class=\"ea-dim\">({len(s.branches)} br.)</span>")
+        mark = ' class="ea-first-diff"' if i == first else ""
+        flag = " ◀ first difference" if i == first else ""
+        rows.append(f"<tr{mark}><td>{i}{flag}</td><td>{cells[0]}</td><td>{cells[1]}</td></tr>")
+    head = (f'<div class="ea-label">{esc(verdict)}</div><table class="ea-table"><thead><tr><th>step</th>'
+            f'<th>A: {esc(a.id)} ({esc(a.settings.mode)}, {esc(a.task_id)})</th>'
+            f'<th>B: {esc(b.id)} ({esc(b.settings.mode)}, {esc(b.task_id)})</th></tr></thead><tbody>')
+    return f'<div class="ea-compare">{head}{"".join(rows)}</tbody></table></div>'

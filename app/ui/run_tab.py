@@ -1,0 +1,93 @@
+"""The Run tab: pick a task and settings, step the agent, inspect every branch of a step."""
+from __future__ import annotations
+
+import gradio as gr
+
+from app.inspect_service import ENV_CLASSES, RunSession, Services
+from app.ui import constants as C
+from app.ui import render
+from app.ui.assets import VIEW_CSS
+from app.ui.run_callbacks import RunCallbacks
+
+
+def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
+    """Layout and wiring of the Run tab; returns the components other tabs or the page load need."""
+    cb = RunCallbacks(services)
+    d = C.UI_DEFAULTS
+    # Deep-copied per browser session (RunSession.__deepcopy__); when Gradio drops a closed
+    # session's state, its open episode is saved as stopped rather than left "running".
+    session = gr.State(RunSession(), delete_callback=lambda run: run.close(services))
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=280):
+            source = gr.Radio(list(C.SOURCES), value=C.SOURCE_TASK, label="What to run")
+            with gr.Group() as task_group:
+                env_filter = gr.Dropdown([C.ALL] + services.catalog.env_classes, value=C.ALL,
+                                         label="Filter: environment class")
+                category_filter = gr.Dropdown([C.ALL] + services.catalog.categories, value=C.ALL,
+                                              label="Filter: category")
+                task = gr.Dropdown(cb.task_choices(C.ALL, C.ALL), value=C.DEFAULT_TASK, filterable=True,
+                                   allow_custom_value=True,  # unknown ids get our message, not a list of 800
+                                   label="Task", info="type to search ids and first messages")
+            with gr.Group(visible=False) as instruction_group:
+                instruction_env = gr.Dropdown(list(ENV_CLASSES), value=C.DEFAULT_INSTRUCTION_ENV,
+                                              label="Environment for the instruction")
+                instruction = gr.Textbox(label="Instruction", lines=3,
+                                         placeholder="e.g. List the files in the current directory.")
+            model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
+                                info="embedded | hf:<id or path> | openai:<url>#<model>")
+            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=C.NO_ADAPTER,
+                                  allow_custom_value=True, label="Adapter (LoRA)")
+            mode = gr.Radio(list(C.MODES), value=d["mode"], label="Rehearsal mode")
+            with gr.Row():
+                branches = gr.Number(d["branches"], label="K (branches)", info="1-16")
+                seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
+            selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
+            temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
+            shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run read-only alternatives on forks)")
+            context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
+            with gr.Accordion("Advanced", open=False):
+                tool_required = gr.Checkbox(d["tool_required"], label="Every step calls a tool (tool_choice=required)")
+                max_action_tokens = gr.Number(d["max_action_tokens"], label="Max action tokens")
+                max_rehearsal_tokens = gr.Number(d["max_rehearsal_tokens"], label="Max rehearsal tokens")
+        with gr.Column(scale=4):
+            with gr.Row():
+                step_btn = gr.Button(C.STEP, variant="primary")
+                turn_btn = gr.Button(C.RUN_TURN)
+                all_btn = gr.Button(C.RUN_ALL)
+                stop_btn = gr.Button(C.STOP, variant="stop")
+                reset_btn = gr.Button(C.RESET)
+            message = gr.HTML("", elem_id=C.ID_RUN_MESSAGE, css_template=VIEW_CSS)
+            status = gr.Markdown(render.episode_status(None, "Press Step to start."), elem_id=C.ID_RUN_STATUS)
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=2, min_width=320):
+                    chat = gr.Chatbot(cb.preview_chat({"source": C.SOURCE_TASK, "task": C.DEFAULT_TASK}),
+                                      label="Conversation", height=560, buttons=["copy_all"])
+                with gr.Column(scale=3, min_width=420):
+                    timeline = gr.Radio([], label="Timeline: click a step to reopen it")
+                    cards = gr.HTML(render.branch_cards(None), elem_id=C.ID_CARDS, css_template=VIEW_CSS,
+                                    label="Branches of the step")
+            state_view = gr.HTML(render.state_view(None), css_template=VIEW_CSS, label="Environment state")
+
+    form = {"source": source, "task": task, "instruction": instruction, "instruction_env": instruction_env,
+            "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
+            "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
+            "tool_required": tool_required, "max_action_tokens": max_action_tokens,
+            "max_rehearsal_tokens": max_rehearsal_tokens}
+    outputs = [message, status, chat, timeline, cards, state_view]
+    model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
+    step_btn.click(cb.step, [session], outputs, inputs_kwargs=form, api_name="step", **model_events)
+    turn_btn.click(cb.run_turn, [session], outputs, inputs_kwargs=form, api_name="run_turn", **model_events)
+    all_btn.click(cb.run_all, [session], outputs, inputs_kwargs=form, api_name="run_to_end", **model_events)
+    # Stop must answer while a step holds a model slot: it gets its own, unlimited.
+    stop_btn.click(cb.stop, [session], [message, status], api_name="stop", concurrency_limit=None,
+                   concurrency_id="control")
+    reset_btn.click(cb.reset, [session], outputs, inputs_kwargs=form, api_name="reset")
+    timeline.input(cb.show_step, [session, timeline], [cards, state_view], api_name="show_step")
+
+    source.change(cb.toggle_source, source, [task_group, instruction_group], api_visibility="private")
+    env_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_name="filter_tasks")
+    category_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_visibility="private")
+    for trigger in (task.change, source.change, instruction.blur):
+        trigger(cb.preview, [session], [message, chat], inputs_kwargs=form, api_visibility="private")
+    return {"session": session, "chat": chat, "adapter": adapter, "form": form,
+            "preview": cb.preview, "message": message, "adapter_choices": cb.adapter_choices}

@@ -1,0 +1,100 @@
+"""Callbacks of the Traces tab: list stored episodes, replay one read-only, compare two."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import gradio as gr
+
+from app.inspect_service import INSTRUCTION_PREFIX, InputError, Services, first_difference, task_turns
+from app.records import Episode
+from app.store import StoreError
+from app.ui import constants as C
+from app.ui import render
+from app.ui.run_callbacks import message_html
+
+DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def date_filter(value: str | None, name: str) -> str | None:
+    value = (value or "").strip()
+    if value and not DATE.match(value):
+        raise InputError(f"{name} must be a date written YYYY-MM-DD (e.g. 2026-12-02); got {value!r}.")
+    return value or None
+
+
+def choice(value: str | None) -> str | None:
+    """A filter dropdown's value, None for "all"."""
+    return None if value in (None, "", C.ALL) else value
+
+
+class TracesCallbacks:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def filter_choices(self) -> tuple[Any, Any, Any, Any]:
+        """Current values of the model, adapter and mode filters, and the episode pickers."""
+        store = self.services.store
+        ids = [r["id"] for r in store.find_episodes(limit=500)]
+        return (gr.Dropdown(choices=[C.ALL] + store.episode_values("model")),
+                gr.Dropdown(choices=[C.ALL] + store.episode_values("adapter")),
+                gr.Dropdown(choices=ids), gr.Dropdown(choices=ids))
+
+    def list_episodes(self, task: str, env_class: str, mode: str, model: str, adapter: str, success: str,
+                      since: str, until: str) -> tuple[list[list[Any]], str, Any]:
+        """The episodes table under the filters, and the id picker's choices."""
+        try:
+            filters: dict[str, Any] = {
+                "task_contains": (task or "").strip() or None, "mode": choice(mode), "model": choice(model),
+                "adapter": choice(adapter), "success": choice(success),
+                "since": date_filter(since, "From"), "until": date_filter(until, "To")}
+        except InputError as exc:
+            return gr.skip(), message_html(str(exc), "error"), gr.skip()
+        env = choice(env_class)
+        if env:
+            filters["task_ids"] = self.services.catalog.ids_with_class(env) + [f"{INSTRUCTION_PREFIX}{env}"]
+        rows = self.services.store.find_episodes(**filters)
+        note = f"{len(rows)} episode(s)." + (" Click a row to open it." if rows else "")
+        return render.episode_rows(rows), message_html(note), gr.Dropdown(choices=[r["id"] for r in rows])
+
+    @staticmethod
+    def select_row(table: Any, evt: gr.SelectData) -> str:
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        values = table.values.tolist() if hasattr(table, "values") else table
+        return values[row][0]
+
+    def _load(self, episode_id: str | None) -> Episode:
+        if not episode_id:
+            raise InputError("Pick an episode first (click a row of the table, or choose its id).")
+        try:
+            return self.services.store.get_episode(episode_id)
+        except StoreError as exc:
+            raise InputError(str(exc)) from None
+
+    def open_episode(self, episode_id: str | None) -> tuple[Any, ...]:
+        """Open an episode read-only at its first step."""
+        try:
+            ep = self._load(episode_id)
+        except InputError as exc:
+            return (message_html(str(exc), "error"), None, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        last = max(len(ep.steps) - 1, 0)
+        step_picker = gr.Slider(minimum=0, maximum=max(last, 1), value=0, step=1, interactive=len(ep.steps) > 1)
+        return ("", ep, render.episode_status(ep), step_picker, *self.show_step(ep, 0))
+
+    def show_step(self, ep: Episode | None, index: float | None) -> tuple[Any, str, str]:
+        """Conversation up to the step, the step's branches, its state diff."""
+        if ep is None:
+            return [], render.branch_cards(None, "Open an episode."), render.state_view(None)
+        if not ep.steps:
+            return [], render.branch_cards(None, "This episode has no steps."), render.state_view(None)
+        i = min(max(int(index or 0), 0), len(ep.steps) - 1)
+        step = ep.steps[i]
+        chat = render.chat_messages(task_turns(ep.task_id, ep), ep.steps, upto=i)
+        return chat, render.branch_cards(step), render.state_view(step)
+
+    def compare(self, a_id: str | None, b_id: str | None) -> str:
+        try:
+            a, b = self._load(a_id), self._load(b_id)
+        except InputError as exc:
+            return message_html(str(exc), "error")
+        return render.comparison(a, b, first_difference(a, b))

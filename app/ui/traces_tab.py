@@ -1,0 +1,59 @@
+"""The Traces tab: stored episodes in a table, one replayed read-only, two side by side."""
+from __future__ import annotations
+
+import gradio as gr
+
+from app.inspect_service import Services
+from app.ui import constants as C
+from app.ui import render
+from app.ui.assets import VIEW_CSS
+from app.ui.traces_callbacks import TracesCallbacks
+
+
+def build_traces_tab(services: Services, tab: gr.Tab) -> None:
+    cb = TracesCallbacks(services)
+    opened = gr.State(None)  # the episode being replayed (this session only)
+    with gr.Row():
+        task = gr.Textbox(label="Task contains", placeholder="e.g. multi_turn_base_1")
+        env_class = gr.Dropdown([C.ALL] + services.catalog.env_classes, value=C.ALL, label="Environment class")
+        mode = gr.Dropdown([C.ALL] + list(C.MODES), value=C.ALL, label="Mode")
+        model = gr.Dropdown([C.ALL], value=C.ALL, label="Model")
+        adapter = gr.Dropdown([C.ALL], value=C.ALL, label="Adapter")
+        success = gr.Dropdown(list(C.SUCCESS_CHOICES), value=C.ALL, label="Success")
+        since = gr.Textbox(label="From (YYYY-MM-DD)")
+        until = gr.Textbox(label="To (YYYY-MM-DD)")
+    refresh = gr.Button("Search episodes", variant="primary")
+    message = gr.HTML("", css_template=VIEW_CSS)
+    table = gr.Dataframe(headers=render.EPISODE_COLUMNS, value=[], interactive=False, wrap=True,
+                         label="Episodes (newest first)", max_height=320,
+                         elem_id=C.ID_TRACES_TABLE)
+    with gr.Accordion("Replay one episode (read-only)", open=True):
+        with gr.Row():
+            episode_id = gr.Dropdown([], label="Episode", allow_custom_value=True, scale=2)
+            open_btn = gr.Button("Open", scale=1)
+        status = gr.Markdown(elem_id=C.ID_TRACES_STATUS)
+        step_picker = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False)
+        with gr.Row(equal_height=False):
+            chat = gr.Chatbot(label="Conversation up to this step", height=480, scale=2)
+            cards = gr.HTML(render.branch_cards(None, "Open an episode."), css_template=VIEW_CSS, scale=3,
+                            elem_id=C.ID_TRACES_CARDS)
+        state_view = gr.HTML(render.state_view(None), css_template=VIEW_CSS)
+    with gr.Accordion("Compare two episodes", open=False):
+        with gr.Row():
+            left = gr.Dropdown([], label="Episode A", allow_custom_value=True)
+            right = gr.Dropdown([], label="Episode B", allow_custom_value=True)
+            compare_btn = gr.Button("Compare")
+        comparison = gr.HTML("", css_template=VIEW_CSS)
+
+    filters = [task, env_class, mode, model, adapter, success, since, until]
+    listed = refresh.click(cb.list_episodes, filters, [table, message, episode_id], api_name="list_episodes")
+    listed.then(cb.filter_choices, None, [model, adapter, left, right], api_visibility="private")
+    tab.select(cb.list_episodes, filters, [table, message, episode_id], api_visibility="private").then(
+        cb.filter_choices, None, [model, adapter, left, right], api_visibility="private")
+    open_btn.click(cb.open_episode, episode_id, [message, opened, status, step_picker, chat, cards, state_view],
+                   api_name="open_episode")
+    table.select(cb.select_row, [table], episode_id, api_visibility="private").then(
+        cb.open_episode, episode_id, [message, opened, status, step_picker, chat, cards, state_view],
+        api_visibility="private")
+    step_picker.change(cb.show_step, [opened, step_picker], [chat, cards, state_view], api_name="replay_step")
+    compare_btn.click(cb.compare, [left, right], comparison, api_name="compare_episodes")

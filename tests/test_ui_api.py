@@ -1,0 +1,229 @@
+"""The inspector's main events through gradio_client, with a scripted policy (no model, seconds).
+
+One app per module, served on a free port; each test uses its own client, so its own
+browser session. The real model and a real browser are exercised in test_ui_browser.py.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from gradio_client import Client
+from scripted import ScriptedPolicy
+
+from app.ui import build_demo
+from app.ui import constants as C
+
+LS = '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'
+PWD = '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>'
+MKDIR = '<tool_call>{"name": "mkdir", "arguments": {"dir_name": "temp"}}</tool_call>'
+SLOW_S = 1.5
+
+
+class SlowPolicy(ScriptedPolicy):
+    """Takes a while to act, so that a second Step can arrive while the first works."""
+
+    def act(self, prompt, k, config):
+        time.sleep(SLOW_S)
+        return super().act(prompt, k, config)
+
+
+def loader(model: str, adapter: str | None):
+    cls = SlowPolicy if model == "slow" else ScriptedPolicy
+    # Enough script for every test; afterwards the policy answers "Done." (which ends turns).
+    return cls([[LS, PWD, MKDIR]] * 400, predict=lambda prompt: {"current_directory_content": ["document"]})
+
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    db = tmp_path_factory.mktemp("ui") / "ui.db"
+    demo = build_demo(db_path=str(db), policy_loader=loader)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)  # first free port
+    yield demo, url
+    demo.close()
+
+
+def client(app) -> Client:
+    return Client(app[1], verbose=False)
+
+
+def counts(app) -> dict[str, int]:
+    db = app[0].services.store.db
+    return {t: db[t].count for t in ("episodes", "steps", "branches", "annotations")}
+
+
+def form(**overrides):
+    """Every Run tab field, as the page sends them (the tab's defaults unless overridden)."""
+    d = C.UI_DEFAULTS
+    values = dict(source=C.SOURCE_TASK, task=C.DEFAULT_TASK, instruction="", instruction_env="GorillaFileSystem",
+                  model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
+                  temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
+                  rehearsal_context=d["rehearsal_context"], tool_required=d["tool_required"],
+                  max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
+    values.update(overrides)
+    return values
+
+
+def test_step_shows_branches_and_saves_the_step(app):
+    c = client(app)
+    before = counts(app)
+    message, status, chat, timeline, cards, state = c.predict(**form(), api_name="/step")
+    assert "ea-msg-error" not in message
+    assert cards.count('data-branch=') == 3 and cards.count("ea-committed") == 1
+    assert "Predicted" in cards and "Actual · committed" in cards and "Actual · shadow" in cards
+    assert "Actual · none" in cards  # mkdir is a write: not shadow-executed
+    assert "Diff: predicted (-) vs actual (+)" in cards and "field_f1" in cards
+    assert chat[0]["role"] == "user" and chat[1]["metadata"]["title"].startswith("🛠️ Step 0: ls")
+    assert timeline["choices"] == [["0 · t1 · ls({})", 0]]
+    assert "State diff, step 0" in state and "running" in status
+    after = counts(app)
+    assert after["episodes"] == before["episodes"] + 1 and after["steps"] == before["steps"] + 1
+    assert after["branches"] == before["branches"] + 3
+
+    # A second step continues the same episode; the timeline reopens the first.
+    c.predict(**form(), api_name="/step")
+    assert counts(app)["episodes"] == after["episodes"]
+    cards0, state0 = c.predict(0, api_name="/show_step")
+    assert "Step 0 ·" in cards0 and "State diff, step 0" in state0
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"branches": 0}, "K (branches) must be a whole number from 1 to 16; got 0."),
+    ({"branches": 100}, "K (branches) must be a whole number from 1 to 16; got 100."),
+    ({"seed": -1}, "Seed must be a whole number from 0 to 2147483647; got -1."),
+    ({"seed": 2**31}, "Seed must be a whole number from 0 to 2147483647"),
+    ({"task": ""}, "No task selected"),
+    ({"task": "bfcl:no_such_task_1"}, "no_such_task"),
+    ({"source": C.SOURCE_INSTRUCTION, "instruction": "  "}, "The instruction is empty"),
+    ({"model": ""}, "Model is empty"),
+])
+def test_bad_input_is_answered_and_nothing_is_written(app, overrides, expected):
+    c = client(app)
+    before = counts(app)
+    message, *_ = c.predict(**form(**overrides), api_name="/step")
+    assert "ea-msg-error" in message and expected in message
+    assert counts(app) == before
+
+
+def test_two_steps_at_once_one_is_refused(app):
+    c = client(app)
+    first = c.submit(**form(model="slow"), api_name="/step")
+    time.sleep(SLOW_S / 3)
+    second = c.submit(**form(model="slow"), api_name="/step")
+    messages = sorted([first.result()[0], second.result()[0]])
+    assert "A step is already running in this session" in messages[-1]
+    assert "ea-msg-error" not in messages[0]
+
+
+def test_sessions_do_not_see_each_others_runs(app):
+    a, b = client(app), client(app)
+    status_a = a.predict(**form(), api_name="/step")[1]
+    message_b, status_b = b.predict(api_name="/stop")
+    assert "Nothing to stop" in message_b and "No episode yet" in status_b
+    status_b = b.predict(**form(), api_name="/step")[1]
+    episode = lambda status: status.split("`")[1]  # noqa: E731
+    assert episode(status_a) != episode(status_b)
+
+
+def test_run_to_end_then_step_then_reset(app):
+    c = client(app)
+    _, status, *_ = c.predict(**form(task="mock:kv", branches=2), api_name="/run_to_end")
+    assert "**finished**" in status
+    message = c.predict(**form(task="mock:kv", branches=2), api_name="/step")[0]
+    assert "This episode is over" in message
+    message, status, chat, *_ = c.predict(**form(task="mock:kv", branches=2), api_name="/reset")
+    assert "Reset" in message and "No episode yet" in status
+    assert chat[0]["role"] == "user" and "blue" in chat[0]["content"][0]["text"]
+
+
+def test_changing_settings_starts_a_new_episode(app):
+    c = client(app)
+    first = c.predict(**form(task="mock:kv"), api_name="/step")[1].split("`")[1]
+    message, status, *_ = c.predict(**form(task="mock:kv", seed=7), api_name="/step")
+    assert "started a new episode" in message and status.split("`")[1] != first
+    assert app[0].services.store.get_episode(first).status == "stopped"
+
+
+def test_typed_instruction_runs_unjudged(app):
+    c = client(app)
+    _, status, chat, *_ = c.predict(**form(source=C.SOURCE_INSTRUCTION, instruction="List my files.",
+                                           branches=2), api_name="/run_to_end")
+    assert "task `instruction:GorillaFileSystem`" in status and "success –" in status
+    ep_id = status.split("`")[1]
+    ep = app[0].services.store.get_episode(ep_id)
+    assert ep.status == "finished" and ep.success is None
+    assert chat[0]["content"][0]["text"] == "List my files."
+
+
+def test_traces_list_open_replay_and_compare(app):
+    c = client(app)
+    ids = []
+    for mode in ("none", "parallel"):
+        status = c.predict(**form(task="mock:kv", mode=mode, branches=2), api_name="/run_turn")[1]
+        ids.append(status.split("`")[1])
+        c.predict(**form(), api_name="/reset")
+    table, message, _ = c.predict(task="mock:kv", env_class=C.ALL, mode="none", since="", until="",
+                                  api_name="/list_episodes")
+    assert ids[0] in [row[0] for row in table["data"]] and ids[1] not in [row[0] for row in table["data"]]
+    bad = c.predict(task="", since="yesterday", until="", api_name="/list_episodes")[1]
+    assert "must be a date written YYYY-MM-DD" in bad
+    message, status, step, chat, cards, state = c.predict(ids[1], api_name="/open_episode")
+    assert ids[1] in status and "Step 0 ·" in cards
+    chat, cards, state = c.predict(1, api_name="/replay_step")
+    assert "Step 1 ·" in cards
+    html = c.predict(ids[0], ids[1], api_name="/compare_episodes")
+    assert "ea-first-diff" in html or "same actions" in html
+
+
+def test_annotate_validates_then_saves(app):
+    c = client(app)
+    c.predict(**form(task="mock:kv"), api_name="/step")
+    message, header, card, *_ = c.predict(False, False, C.ALL, C.ALL, api_name="/annotation_queue")
+    assert "Branch 1 of" in header and 'data-branch=' in card
+    before = counts(app)
+    bad = c.predict("major", '{"missing": ', "", "", "tester", api_name="/annotate_save")[0]
+    assert "not valid JSON" in bad and counts(app) == before
+    no_name = c.predict("major", "", "", "", "", api_name="/annotate_save")[0]
+    assert "Annotator is empty" in no_name and counts(app) == before
+    ok = c.predict("major", '{"value": "blue"}', "", "predicted the wrong key", "tester",
+                   api_name="/annotate_save")[0]
+    assert "Saved annotation" in ok and counts(app)["annotations"] == before["annotations"] + 1
+    row = app[0].services.store.annotations()[-1]
+    assert row["label"] == "major" and row["corrected_predicted"] == '{"value": "blue"}'
+
+
+def test_dashboard_returns_five_figures(app):
+    c = client(app)
+    c.predict(**form(task="mock:kv"), api_name="/step")
+    message, *figures = c.predict(C.ALL, C.ALL, C.ALL, "", "", api_name="/dashboard")
+    assert message == "" and len(figures) == 5 and all(f["type"] == "plotly" for f in figures)
+    assert "error" in c.predict(C.ALL, C.ALL, C.ALL, "2026-13", "", api_name="/dashboard")[0]
+
+
+def test_task_filter_by_environment_class(app):
+    c = client(app)
+    update = c.predict("MathAPI", C.ALL, C.DEFAULT_TASK, api_name="/filter_tasks")
+    ids = [value for _, value in update["choices"]]
+    catalog = app[0].services.catalog
+    assert ids and all("MathAPI" in catalog.env_classes_of(i) for i in ids)
+    assert update["value"] == ids[0]  # the default task has no MathAPI: the first match is picked
+
+
+def test_space_entry_installs_only_missing_nodeps_pins(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    # Loaded from its file: `import app` is the package, not the Spaces entry next to it.
+    spec = importlib.util.spec_from_file_location("space_entry", Path(__file__).parent.parent / "app.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    reqs = tmp_path / "nodeps.txt"
+    reqs.write_text("# comment\npytest==0.0.1  # wrong version\ngradio==6.31.0\n")
+    assert entry.pinned(reqs) == [("pytest", "0.0.1"), ("gradio", "6.31.0")]
+    assert entry.missing(entry.pinned(reqs)) == ["pytest==0.0.1"]
+    calls = []
+    monkeypatch.setattr(entry.subprocess, "check_call", calls.append)
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    entry.install_nodeps()
+    assert calls == []  # only on a Space
