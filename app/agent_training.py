@@ -23,8 +23,9 @@ from typing import Any, Callable
 
 from app import envs
 from app.divergence import aggregate, compare
-from app.formats import REHEARSE_STOP, canonical_call, parse_result
-from app.records import Call, Episode, Metrics, RunSettings
+from app.evaluation import call_matches, episode_metrics  # moved there; re-exported for old callers
+from app.formats import REHEARSE_STOP, parse_result
+from app.records import Episode, RunSettings
 from app.training_data import (PromptContext, expert_episode, expert_rows,
                                rehearse_row_prompt, replay, self_training_rows)
 
@@ -106,46 +107,6 @@ def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int
     return runner.episode
 
 
-def call_matches(call: Call | None, gold_calls: list[str], param_names: Callable[[str], list[str]] | None) -> bool:
-    """The call equals (canonical name + arguments) one of the turn's ground-truth calls."""
-    if call is None:
-        return False
-    key = canonical_call(call)
-    for gold in gold_calls:
-        name, args = envs.parse_call_string(gold, param_names)
-        if canonical_call(Call(name=name, arguments=args)) == key:
-            return True
-    return False
-
-
-def episode_metrics(episodes: list[Episode]) -> dict[str, Any]:
-    """Call accuracy, call rate, turn success and rehearsal fidelity from finished episodes."""
-    steps = matched = calls = 0
-    turns = passed = 0
-    measured: list[Metrics] = []
-    for ep in episodes:
-        task = envs.load_task(ep.task_id)
-        env = envs.make_env(task)
-        for t in ep.turn_results:
-            turns += 1
-            passed += t.success
-        for step in ep.steps:
-            if step.turn >= len(ep.turn_results):
-                continue  # a turn cut short by max_turns is not judged
-            gold = (task.ground_truth or [[]])[step.turn]
-            if not gold:
-                continue
-            steps += 1
-            chosen = step.chosen_branch
-            calls += chosen.kind == "call"
-            matched += call_matches(chosen.call, gold, getattr(env, "param_names", None))
-            measured += [b.metrics for b in step.branches if b.metrics.json_valid is not None]
-    rehearsal = aggregate(measured)
-    return {"episodes": len(episodes), "steps": steps, "call_accuracy": _ratio(matched, steps),
-            "call_rate": _ratio(calls, steps), "turns": turns, "turn_success": _ratio(passed, turns),
-            "rehearsal": {k: rehearsal[k] for k in ("n", "exact", "field_f1", "error_agree", "json_valid")}}
-
-
 def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: int = 8) -> dict[str, Any]:
     """Rehearsal fidelity on the expert traces of `task_ids` (every model sees the same calls and history)."""
     from model_backend.base import GenerationConfig
@@ -193,10 +154,6 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
     report["max_turns"] = max_turns
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report
-
-
-def _ratio(a: int, b: int) -> float | None:
-    return round(a / b, 4) if b else None
 
 
 # ---------------------------------------------------------------- the pipeline

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 Mode = Literal["none", "parallel", "sequential"]
-Selector = Literal["judge", "logprob", "memory"]
+Selector = Literal["judge", "logprob", "memory", "oracle"]
+"""`oracle` is evaluation-only (the real best-of-K baseline, app/engine/oracle.py): not in SELECTORS."""
 RehearsalContext = Literal["history", "history+state"]
 ActualSource = Literal["committed", "shadow"]
 ActionKind = Literal["call", "answer", "parse_error"]
