@@ -6,12 +6,14 @@ Figures on a shared 2-core machine are noisy: every timing is the best of a few 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model_backend import GenerationConfig, Prompt, load_policy  # noqa: E402
+from model_backend import GenerationConfig, Prompt, TransformersPolicy, load_policy  # noqa: E402
 from model_backend import loading  # noqa: E402
 from model_backend.decoding import Row, generate  # noqa: E402
 
@@ -93,30 +95,50 @@ def memory_bandwidth(repeats: int) -> dict[str, float]:
     return {"read_gb_s": a.nbytes / read / 1e9, "copy_gb_s": 2 * a.nbytes / copy / 1e9}
 
 
-def decode_rate(policy: Any, ids: list[int], batch: int, new_tokens: int, repeats: int) -> float:
-    """Decode tokens/s of our loop (prefill subtracted), EOS ignored so every row runs the full length."""
+class ForwardClock:
+    """Timestamps the end of every forward call of a model (hooks, so any decoding loop can be timed)."""
+
+    def __init__(self, model: Any) -> None:
+        self.ends: list[float] = []
+        self._handle = model.register_forward_hook(lambda *_: self.ends.append(time.perf_counter()))
+
+    def decode_seconds(self, steps: int) -> float:
+        """Wall time of the last `steps` forward calls: the decode steps after the first token's logits."""
+        return self.ends[-1] - self.ends[-1 - steps]
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def decode_rate(model: Any, run: Callable[[int], Any], batch: int, new_tokens: int, repeats: int) -> float:
+    """Tokens/s over the decode steps only (the prompt's prefill excluded); EOS must be ignored by `run`."""
+    best = float("inf")
+    clock = ForwardClock(model)
+    try:
+        for _ in range(repeats):
+            clock.ends.clear()
+            run(new_tokens)
+            # new_tokens tokens need new_tokens - 1 decode forwards after the prefill's.
+            best = min(best, clock.decode_seconds(new_tokens - 1))
+    finally:
+        clock.close()
+    return batch * (new_tokens - 1) / best
+
+
+def our_loop(policy: Any, ids: list[int], batch: int) -> Callable[[int], Any]:
     rows = [Row(ids)] * batch
-
-    def run(n: int) -> None:
-        generate(policy.model, policy.tokenizer, rows, n, eos_ids=set(), pad_id=policy.pad_id)
-
-    prefill_only, _ = best_of(lambda: run(1), repeats)
-    full, _ = best_of(lambda: run(new_tokens + 1), repeats)
-    return batch * new_tokens / max(full - prefill_only, 1e-9)
+    return lambda n: generate(policy.model, policy.tokenizer, rows, n, eos_ids=set(), pad_id=policy.pad_id)
 
 
-def hf_generate_rate(model: Any, ids: list[int], new_tokens: int, repeats: int) -> float:
-    """Plain `model.generate` greedy at batch 1, same accounting."""
+def hf_generate(model: Any, ids: list[int]) -> Callable[[int], Any]:
     input_ids = torch.tensor([ids])
 
-    def run(n: int) -> None:
+    def run(n: int) -> Any:
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                           max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
+            return model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
 
-    prefill_only, _ = best_of(lambda: run(1), repeats)
-    full, _ = best_of(lambda: run(new_tokens + 1), repeats)
-    return new_tokens / max(full - prefill_only, 1e-9)
+    return run
 
 
 def weight_bytes(model: Any) -> int:
@@ -128,9 +150,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
     parser.add_argument("--skip-cold", action="store_true", help="skip the cold-start conversion (~30 s)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's own); 1 is steadier when other jobs share the cores")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
-    repeats, new_tokens = (1, 16) if args.quick else (3, 48)
+    repeats, new_tokens = (1, 16) if args.quick else (2, 48)
     results: dict[str, Any] = {
         "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__},
@@ -145,14 +171,20 @@ def main() -> None:
 
     # (a) decode speed
     speed = {
-        "ours_batch1_tok_s": decode_rate(policy, ids, 1, new_tokens, repeats),
-        "ours_batch4_tok_s": decode_rate(policy, ids, 4, new_tokens, repeats),
-        "hf_generate_batch1_tok_s": hf_generate_rate(policy.model, ids, new_tokens, repeats),
+        "ours_batch1_tok_s": decode_rate(policy.model, our_loop(policy, ids, 1), 1, new_tokens, repeats),
+        "ours_batch4_tok_s": decode_rate(policy.model, our_loop(policy, ids, 4), 4, new_tokens, repeats),
+        "hf_generate_batch1_tok_s": decode_rate(policy.model, hf_generate(policy.model, ids), 1, new_tokens, repeats),
     }
+    # bf16 halves the bytes each step reads; this CPU has AVX512-BF16. Informational: the CPU default
+    # stays fp32 (bf16 changes greedy text, and its prefill/attention kernels are slower here).
+    bf16 = TransformersPolicy(replace(policy.loaded, model=copy.deepcopy(policy.model).to(torch.bfloat16),
+                                      dtype=torch.bfloat16))
+    speed["ours_batch1_bf16_tok_s"] = decode_rate(bf16.model, our_loop(bf16, ids, 1), 1, new_tokens, repeats)
+    del bf16
     results["decode"] = speed
     print(f"(a) decode at {len(ids)} tokens of context: ours batch 1 {speed['ours_batch1_tok_s']:.1f} tok/s, "
           f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total; generate batch 1 "
-          f"{speed['hf_generate_batch1_tok_s']:.1f} tok/s")
+          f"{speed['hf_generate_batch1_tok_s']:.1f} tok/s; ours bf16 batch 1 {speed['ours_batch1_bf16_tok_s']:.1f} tok/s")
 
     # (b) the memory-bandwidth bound at batch 1
     bw = memory_bandwidth(repeats + 2)
@@ -160,6 +192,7 @@ def main() -> None:
     bound = bw["read_gb_s"] * 1e9 / nbytes
     results["bound"] = {**bw, "weight_bytes": nbytes, "dtype": str(policy.loaded.dtype),
                         "bound_tok_s": bound, "ratio_batch1": speed["ours_batch1_tok_s"] / bound,
+                        "ratio_batch1_bf16": speed["ours_batch1_bf16_tok_s"] / (2 * bound),
                         "goal_ratio": 0.7}
     print(f"(b) numpy read {bw['read_gb_s']:.1f} GB/s, copy {bw['copy_gb_s']:.1f} GB/s; weights "
           f"{nbytes / 1e6:.0f} MB -> bound {bound:.1f} tok/s; batch 1 reaches "

@@ -235,7 +235,8 @@ def generate(
                 break
             # Finished rows stay in the batch (reshaping the cache costs more) but feed a pad.
             feed = torch.where(torch.tensor(done, device=tokens.device), pad_id, tokens)
-            mask = torch.cat([mask, ones], dim=1)
+            if pre.has_padding:  # without pads the mask is all ones: skip it (and its per-step cost)
+                mask = torch.cat([mask, ones], dim=1)
             step_out = model(
                 input_ids=feed[:, None],
                 attention_mask=mask if pre.has_padding else None,

@@ -227,7 +227,8 @@ def _check_adapter(adapter_dir: Path, model: Any, identities: set[str]) -> None:
         if all(theirs.get(k) == ours.get(k) for k in keys):
             return
     raise AdapterError(
-        f"adapter {adapter_dir} was trained on {base!r}, not on this model ({sorted(identities)[0]})"
+        f"adapter {adapter_dir} was trained on {base!r}, not on this model "
+        f"(known as {', '.join(sorted(identities))})"
     )
 
 

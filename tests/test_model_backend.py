@@ -252,10 +252,20 @@ def test_stop_strings_and_eos(policy: Any) -> None:
     assert not budget.finished and len(budget.token_logprobs) == 3
 
 
-@pytest.mark.slow
-def test_score_matches_one_plain_forward(policy: Any) -> None:
+def plain_logprobs(policy: Any, prompt: Prompt, continuation: str) -> list[float]:
+    """Continuation log-probs from one ordinary forward pass over prompt + continuation."""
     import torch
 
+    prompt_ids = policy.encode(prompt)
+    cont_ids = policy.tokenizer.encode(continuation, add_special_tokens=False)
+    with torch.inference_mode():
+        logits = policy.model(input_ids=torch.tensor([prompt_ids + cont_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt_ids) + j - 1, tok].item() for j, tok in enumerate(cont_ids)]
+
+
+@pytest.mark.slow
+def test_score_matches_one_plain_forward(policy: Any) -> None:
     system = "Answer yes or no."
     prompts = [
         user("Is the sky blue?", system=system),
@@ -265,25 +275,18 @@ def test_score_matches_one_plain_forward(policy: Any) -> None:
     continuations = [" yes", ' {"current_directory_content": ["a.txt", "b"]}', "No, it is"]
     scored = policy.score(prompts, continuations)
     for prompt, cont, lps in zip(prompts, continuations, scored):
-        prompt_ids = policy.encode(prompt)
-        cont_ids = policy.tokenizer.encode(cont, add_special_tokens=False)
-        ids = torch.tensor([prompt_ids + cont_ids])
-        with torch.inference_mode():
-            logits = policy.model(input_ids=ids).logits[0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        expected = [logprobs[len(prompt_ids) + j - 1, tok].item() for j, tok in enumerate(cont_ids)]
-        assert len(lps) == len(cont_ids)
-        assert torch.allclose(torch.tensor(lps), torch.tensor(expected), atol=1e-4)
+        assert lps == pytest.approx(plain_logprobs(policy, prompt, cont), abs=1e-4)
     assert policy.score([prompts[0]], [""]) == [[]]
 
 
 @pytest.mark.slow
 def test_score_identical_prompts(policy: Any) -> None:
-    # The judge case: one prompt, several candidate answers; the whole prompt is the shared prefix.
+    # The judge case: one prompt, several answers; the whole prompt is the shared prefix and the
+    # suffixes have equal lengths, so no padding mask is passed at all.
     prompt = user("Is water wet? Answer yes or no.")
-    yes, no = policy.score([prompt, prompt], ["yes", "no"])
-    assert len(yes) == len(no) == 1
-    assert policy.score([prompt], ["yes"])[0] == pytest.approx(yes, abs=1e-4)
+    yes, no = policy.score([prompt, prompt], ["yes it is", "no it is"])
+    assert yes == pytest.approx(plain_logprobs(policy, prompt, "yes it is"), abs=1e-4)
+    assert no == pytest.approx(plain_logprobs(policy, prompt, "no it is"), abs=1e-4)
 
 
 @pytest.mark.slow
