@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app import envs
+from app.config import ROOT, SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare
 from app.evaluation import call_matches, episode_metrics  # moved there; re-exported for old callers
 from app.formats import REHEARSE_STOP, parse_result
@@ -31,15 +32,13 @@ from app.training_data import (PromptContext, expert_episode, expert_rows,
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
-ADAPTER_NAME = "envace-smollm2-135m"
-SHIPPED_ADAPTER = ROOT / "fixtures" / "adapters" / ADAPTER_NAME
+ADAPTER_NAME = SHIPPED_ADAPTER.name
 Report = Callable[[str], None]
 
 
 def default_adapter_path() -> Path | None:
     """The shipped adapter directory when it exists (the `embedded` spec's default adapter)."""
-    return SHIPPED_ADAPTER if (SHIPPED_ADAPTER / "adapter_config.json").is_file() else None
+    return SHIPPED_ADAPTER if shipped_adapter() is not None else None
 
 
 @dataclass

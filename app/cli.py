@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from app.config import DEFAULT_MODEL, DEFAULT_TASK, default_db_path
+from app.config import DEFAULT_MODEL, DEFAULT_TASK, default_db_path, resolve_adapter
 from app.records import MODES, REHEARSAL_CONTEXTS, SELECTORS
 
 log = logging.getLogger("app")
@@ -37,7 +37,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
     p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory")
+    p.add_argument("--adapter", default=None,
+                   help="LoRA adapter directory; `none` for the bare base model (default: the shipped adapter "
+                        "for `embedded`)")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
 
 
@@ -129,6 +131,10 @@ def settings_from_args(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     task = load_task_or_fail(args.task)  # before the model: a typo costs nothing
+    try:
+        args.adapter = resolve_adapter(args.model, args.adapter)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     policy = load_policy_or_fail(args.model, args.adapter)
 
     from app.engine import EpisodeRunner, episode_json, format_step
@@ -143,7 +149,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     runner = EpisodeRunner(task, policy, settings, model=args.model, adapter=args.adapter, on_step=recorder)
     recorder.start(runner.episode)
     out = sys.stderr if args.json else sys.stdout
-    print(f"Episode {runner.episode.id}: {task.id} | model {args.model} | mode {settings.mode} "
+    print(f"Episode {runner.episode.id}: {task.id} | model {args.model} | adapter {args.adapter or 'none'} "
+          f"| mode {settings.mode} "
           f"K={settings.branches} selector {settings.selector} seed {settings.seed}", file=out)
     last_turn = -1
     try:

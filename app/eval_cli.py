@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from app.cli import UserError
-from app.config import DEFAULT_MODEL, default_db_path
+from app.config import DEFAULT_MODEL, default_db_path, resolve_adapter
 from app.records import MODES, REHEARSAL_CONTEXTS, SELECTORS
 
 INTERRUPTED = 130
@@ -48,7 +48,8 @@ def register(sub: Any) -> None:
     p.add_argument("--state-probe", type=int, default=32,
                    help="calls re-rehearsed with and without the state snapshot (0: skip)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory, or `default` for the shipped one")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory, `default` for the shipped one, `none` for the bare "
+                                                 "base (default: the shipped adapter for `embedded`)")
     p.add_argument("--out", required=True, help="directory for results.json, results.md and figures.html")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.set_defaults(func=cmd_eval)
@@ -62,17 +63,12 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
-def _adapter(value: str | None) -> str | None:
-    if value is None:
-        return None
-    if value == "default":
-        from app.agent_training import default_adapter_path
-
-        path = default_adapter_path()
-        if path is None:
-            raise UserError("--adapter default: no shipped adapter in fixtures/adapters (run `make train-agent`)")
-        return str(path)
-    if not (Path(value) / "adapter_config.json").is_file():
+def _adapter(model: str, value: str | None) -> str | None:
+    try:
+        value = resolve_adapter(model, value)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if value is not None and not (Path(value) / "adapter_config.json").is_file():
         raise UserError(f"--adapter {value} is not a LoRA adapter directory (no adapter_config.json)")
     return value
 
@@ -104,7 +100,7 @@ def _config(args: argparse.Namespace):
             raise UserError(f"--{name.replace('_', '-')} must be at least {1 if name == 'max_turns' else 0}")
     cfg = EvalConfig(task_ids=task_ids, modes=_modes(args.modes), branches=args.branches,
                      best_of_k=not args.no_best_of_k, seed=args.seed, model=args.model,
-                     adapter=_adapter(args.adapter), selector=args.selector, temperature=args.temperature,
+                     adapter=_adapter(args.model, args.adapter), selector=args.selector, temperature=args.temperature,
                      shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
                      tool_choice=args.tool_choice,
                      max_steps_per_turn=args.max_steps, max_turns=args.max_turns,

@@ -29,7 +29,7 @@ UI_DEFAULTS = {
     "seed": 0,
     "shadow": True,
     "rehearsal_context": "history",
-    "tool_required": True,  # the base embedded model seldom writes <tool_call> unprompted
+    "tool_required": True,  # only without the shipped adapter: the bare base model never writes <tool_call>
     "max_action_tokens": 64,
     "max_rehearsal_tokens": 96,
 }

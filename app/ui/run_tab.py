@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.config import shipped_adapter
+
 from app.inspect_service import ENV_CLASSES, RunSession, Services
 from app.ui import constants as C
 from app.ui import render
@@ -34,8 +36,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 instruction = gr.Textbox(label="Instruction", lines=3,
                                          placeholder="e.g. List the files in the current directory.")
             model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
-                                info="embedded | hf:<id or path> | openai:<url>#<model>")
-            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=C.NO_ADAPTER,
+                                info="embedded | hf:<id or path> | gguf:<path>")
+            shipped = shipped_adapter()  # the trained agent, when fixtures/ has it
+            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=shipped or C.NO_ADAPTER,
                                   allow_custom_value=True, label="Adapter (LoRA)")
             mode = gr.Radio(list(C.MODES), value=d["mode"], label="Rehearsal mode")
             with gr.Row():
@@ -46,7 +49,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run read-only alternatives on forks)")
             context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
             with gr.Accordion("Advanced", open=False):
-                tool_required = gr.Checkbox(d["tool_required"], label="Every step calls a tool (tool_choice=required)")
+                tool_required = gr.Checkbox(d["tool_required"] and shipped is None, label="Every step calls a tool (tool_choice=required)")
                 max_action_tokens = gr.Number(d["max_action_tokens"], label="Max action tokens")
                 max_rehearsal_tokens = gr.Number(d["max_rehearsal_tokens"], label="Max rehearsal tokens")
         with gr.Column(scale=4):
