@@ -35,5 +35,11 @@ bench: setup
 train-agent: setup
 	$(PYTHON) -m app train-agent
 
+# The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
+EVAL_ARGS ?= --limit 10 --branches 4 --max-turns 2
+eval: setup
+	$(PYTHON) -m app eval --tasks bfcl:multi_turn_base --split heldout --modes none,parallel,sequential \
+		--seed 0 --out runs/eval-heldout $(EVAL_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

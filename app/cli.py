@@ -22,9 +22,8 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, exit status 2 (raise it from any command)."""
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=MODES, default="parallel", help="test-time rehearsal mode")
-    p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel) or attempts (sequential)")
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by `run` and `eval`: selector, sampling, budgets, model, database."""
     p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
     p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
@@ -38,9 +37,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
     p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
     p.add_argument("--adapter", default=None,
-                   help="LoRA adapter directory; `none` for the bare base model (default: the shipped adapter "
-                        "for `embedded`)")
+                   help="LoRA adapter directory; `none` for the bare base model; `default` for the shipped "
+                        "adapter (the default for `embedded`)")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=MODES, default="parallel", help="test-time rehearsal mode")
+    p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel) or attempts (sequential)")
+    add_engine_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli import UserError
-from app.config import DEFAULT_MODEL, default_db_path, resolve_adapter
-from app.records import MODES, REHEARSAL_CONTEXTS, SELECTORS
+from app.cli import UserError, add_engine_options
+from app.config import resolve_adapter
+from app.records import MODES
 
 INTERRUPTED = 130
 
@@ -33,25 +33,11 @@ def register(sub: Any) -> None:
     p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel, best-of-K) or attempts "
                    "(sequential)")
     p.add_argument("--no-best-of-k", action="store_true", help="skip the real best-of-K baseline row")
-    p.add_argument("--selector", choices=SELECTORS, default="judge", help="selector of the rehearsal modes")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same table")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
-    p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen read-only calls")
-    p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
-                   help="what the Rehearse role sees in the episodes")
-    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
-                   help="`required` makes every step a tool call")
-    p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
+    add_engine_options(p)
     p.add_argument("--max-turns", type=int, default=None, help="judge only the first N user turns of each task")
-    p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
-    p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
     p.add_argument("--state-probe", type=int, default=32,
                    help="calls re-rehearsed with and without the state snapshot (0: skip)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory, `default` for the shipped one, `none` for the bare "
-                                                 "base (default: the shipped adapter for `embedded`)")
     p.add_argument("--out", required=True, help="directory for results.json, results.md and figures.html")
-    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.set_defaults(func=cmd_eval)
 
 
