@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app import envs
-from app.config import ROOT, SHIPPED_ADAPTER, shipped_adapter
+from app.config import SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare
 from app.evaluation import call_matches, episode_metrics  # moved there; re-exported for old callers
 from app.formats import REHEARSE_STOP, parse_result

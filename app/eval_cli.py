@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from app.cli import UserError, add_engine_options
-from app.config import resolve_adapter
+from app.config import default_db_path, resolve_adapter
 from app.records import MODES
 
 INTERRUPTED = 130

@@ -10,11 +10,11 @@ import logging
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import sqlite_utils
 
-from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step, TurnResult, utcnow
+from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step, TurnResult
 
 log = logging.getLogger(__name__)
 

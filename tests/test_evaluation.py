@@ -5,7 +5,6 @@ runs the real embedded model on two held-out BFCL tasks.
 """
 import json
 import time
-from pathlib import Path
 
 import pytest
 

@@ -8,7 +8,6 @@ import pytest
 
 from app import envs
 from app.engine import EpisodeRunner
-from app.envs.bfcl_tasks import CATEGORIES
 from app.formats import HistoryItem, act_prompt, rehearse_prompt
 from app.records import Call, RunSettings
 from app.store import Recorder, Store
