@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shutil
 import time
 import uuid
@@ -17,14 +18,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app import envs
-from app.formats import canonical_call, parse_action
+from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
 from app.records import Annotation, utcnow
 from app.store import Store, _branch_from_row
-from app.training_data import CorrectionError, PromptContext, _corrected_action, _corrected_value, correction_rows
+from app.training_data import (CorrectionError, PromptContext, _corrected_action, _corrected_value, correction_rows,
+                               expert_rows)
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS = 10_000
+MAX_HELDOUT_ROWS = 64
+HELDOUT_TASKS = 4
+"""Held-out tasks whose expert replays the held-out sample is drawn from (enough rows, still fast)."""
 
 
 class FinetuneError(ValueError):
@@ -49,7 +54,11 @@ class FinetuneRequest:
     spec: str = "embedded"
     seed: int = 0
     measure_agreement: bool = True
-    """Greedy Act generation before and after on the corrected Act rows (costs a few seconds per row)."""
+    """Greedy generation before and after: Act agreement on the Act rows, Rehearse exact on the
+    Rehearse rows (costs a few seconds per row)."""
+    heldout_rows: int = 0
+    """Rows sampled from expert replays of held-out BFCL tasks, measured before and after like
+    the corrections: a fine-tune should fix the corrected cases without hurting the rest (0: skip)."""
 
 
 @dataclass
@@ -85,6 +94,8 @@ def validate_request(req: FinetuneRequest) -> None:
         raise FinetuneError(f"--lr must be > 0 and at most 1, got {req.lr}")
     if not 1 <= req.rank <= 256:
         raise FinetuneError(f"--rank must be between 1 and 256, got {req.rank}")
+    if not 0 <= req.heldout_rows <= MAX_HELDOUT_ROWS:
+        raise FinetuneError(f"held-out rows must be between 0 and {MAX_HELDOUT_ROWS}, got {req.heldout_rows}")
     if Path(req.out).exists():
         raise FinetuneError(f"--out {req.out} already exists; choose a new directory")
     if req.parent is not None and not is_adapter_dir(req.parent):
@@ -137,7 +148,11 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> li
         by_episode.setdefault(s.episode_id, []).append(s)
     for episode_id, items in by_episode.items():
         episode = store.get_episode(episode_id)
-        task = envs.load_task(episode.task_id)
+        try:
+            task = envs.load_task(episode.task_id)
+        except envs.UnknownTaskError:
+            raise FinetuneError(f"episode {episode_id} ran {episode.task_id!r}, not a benchmark task: its prompts "
+                                "cannot be rebuilt for training; leave it out (choose episodes)") from None
         corrections = {}
         for s in items:
             ann = s.annotation
@@ -170,6 +185,13 @@ def correction_metrics(policy: Any, model: Any, tokenizer: Any, rows: list[Any],
         nll = nll_of_rows(model, encoded)
         out["rehearse_nll"] = round(sum(nll) / len(nll), 4)
         out["rehearse_nll_rows"] = [round(x, 4) for x in nll]
+        if agreement:
+            exact = 0
+            for row, enc in zip(rehearse, encoded):
+                config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=REHEARSE_STOP)
+                predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
+                exact += error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0])
+            out["rehearse_exact"] = round(exact / len(rehearse), 4)
     act = [r for r in rows if r.role == "act"]
     if act:
         encoded, _ = encode_rows(tokenizer, act)
@@ -191,6 +213,23 @@ def _same_action(text: str, target: str) -> bool:
     if a.kind == "call":
         return canonical_call(a.call) == canonical_call(b.call)  # type: ignore[arg-type]
     return (a.answer or "").strip() == (b.answer or "").strip()
+
+
+def heldout_rows(ctx: PromptContext, n: int, seed: int = 0) -> list[Any]:
+    """`n` rows (half Act, half Rehearse) from expert replays of the first held-out BFCL tasks.
+
+    Never trained on (index mod 4 == 3), the same for every fine-tune with the same seed, so
+    before/after on them says whether a fine-tune hurt what it was not shown.
+    """
+    if n <= 0:
+        return []
+    rows, _ = expert_rows(envs.list_tasks("multi_turn_base", "heldout")[:HELDOUT_TASKS], ctx)
+    rng = random.Random(seed)
+    act = [r for r in rows if r.role == "act"]
+    rehearse = [r for r in rows if r.role == "rehearse"]
+    n_act = min(len(act), n // 2)
+    n_rehearse = min(len(rehearse), n - n_act)
+    return rng.sample(act, n_act) + rng.sample(rehearse, n_rehearse)
 
 
 # ---------------------------------------------------------------- the run
@@ -230,8 +269,10 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     config = TrainConfig(steps=req.steps, lr=req.lr, rank=req.rank, seed=req.seed, warmup_steps=min(5, req.steps),
                          max_seq_len=None, pack_len=None)  # type: ignore[arg-type]
     encoded, dropped = encode_rows(tok, rows)
+    held = heldout_rows(ctx, req.heldout_rows, req.seed)
     policy = TransformersPolicy(loaded)
     before = correction_metrics(policy, loaded.model, tok, rows, req.measure_agreement)
+    held_before = correction_metrics(policy, loaded.model, tok, held, req.measure_agreement) if held else None
     try:
         model = trainable_model(loaded, config)
         t0 = time.perf_counter()
@@ -240,11 +281,14 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
         raise FinetuneError(str(exc)) from None
     policy = TransformersPolicy(_with_model(loaded, model))
     after = correction_metrics(policy, model, tok, rows, req.measure_agreement)
+    held_after = correction_metrics(policy, model, tok, held, req.measure_agreement) if held else None
     parent_id = _registry_id(store, req.parent)
     data = {"db": store.path, "annotations": [s.annotation_id for s in selected],
             "branches": [s.branch_id for s in selected], "episodes": sorted({s.episode_id for s in selected}),
             "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)}}
     metrics = {"before": before, "after": after, "train": result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
+    if held:
+        metrics["heldout"] = {"rows": [r.ref for r in held], "before": held_before, "after": held_after}
     adapter_id = uuid.uuid4().hex[:12]
     card = {"adapter_id": adapter_id, "parent": parent_id, "data": data, "metrics": metrics,
             "config": result.config}
@@ -280,4 +324,4 @@ def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data
 
 
 __all__ = ["FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows", "correction_metrics",
-           "run_finetune", "select_corrections", "validate_request"]
+           "heldout_rows", "run_finetune", "select_corrections", "validate_request"]

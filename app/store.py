@@ -335,6 +335,12 @@ class Store:
         sql = "select path from adapters where path is not null order by created_at"
         return self._guard(lambda: [r["path"] for r in self.db.query(sql)])
 
+    def annotated_episodes(self) -> list[str]:
+        """Ids of episodes with at least one annotated branch, newest first (the fine-tune's data picker)."""
+        sql = ("select e.id from episodes e where exists (select 1 from annotations a join branches b "
+               "on b.id = a.branch_id where b.episode_id = e.id) order by e.created_at desc, e.rowid desc")
+        return self._guard(lambda: [r["id"] for r in self.db.query(sql)])
+
 
 def _branch_from_row(r: dict[str, Any]) -> Branch:
     metrics = {}

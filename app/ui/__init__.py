@@ -1,4 +1,4 @@
-"""The Gradio inspector: Run, Traces, Annotate and Dashboard tabs.
+"""The Gradio inspector: Run, Traces, Annotate, Dashboard and Fine-tune tabs.
 
 `build_demo()` holds only layout and wiring; each tab has a layout module and a
 callbacks module, and the work happens in `app.inspect_service` and `app.ui.render`.
@@ -16,6 +16,7 @@ from app.ui.annotate_callbacks import AnnotateCallbacks
 from app.ui.annotate_tab import build_annotate_tab
 from app.ui.assets import KEYBOARD_JS
 from app.ui.dashboard_tab import build_dashboard_tab
+from app.ui.finetune_tab import build_finetune_tab
 from app.ui.run_tab import build_run_tab
 from app.ui.traces_tab import build_traces_tab
 
@@ -24,7 +25,8 @@ __all__ = ["build_demo"]
 INTRO = f"""## {C.TITLE}
 Step a tool-using agent that **rehearses** its calls: each step proposes K candidate calls, the model
 predicts each call's response, a selector commits one to the real tools, and read-only alternatives run on
-forks. Compare predicted and actual responses, annotate divergences, and track fidelity on the dashboard."""
+forks. Compare predicted and actual responses, annotate divergences, track fidelity on the dashboard, and
+fine-tune the agent on your corrections."""
 
 
 def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None) -> gr.Blocks:
@@ -41,6 +43,8 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
                 annotator = build_annotate_tab(services, annotate)
             with gr.Tab("Dashboard", id="dashboard") as dash:
                 build_dashboard_tab(services, dash)
+            with gr.Tab("Fine-tune", id="finetune") as finetune:
+                build_finetune_tab(services, finetune, run["adapter"], run["adapter_choices"])
         demo.load(None, js=KEYBOARD_JS)
         demo.load(AnnotateCallbacks.annotator_from_login, None, annotator, api_visibility="private")
         demo.load(run["adapter_choices"], None, run["adapter"], api_visibility="private")

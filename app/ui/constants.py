@@ -39,9 +39,21 @@ MODEL_CONCURRENCY = 2
 time anyway; a second slot lets a second visitor start while the first is mid-step, and
 lets a duplicate press in one session be refused at once instead of waiting behind itself."""
 
+# The Fine-tune tab. Parent choices besides registered adapter paths:
+PARENT_SHIPPED = "default (the shipped agent)"
+PARENT_NONE = "(none: base weights)"
+FT_DEFAULTS = {"steps": 20, "lr": 3e-4, "rank": 16, "heldout_rows": 4, "agreement": True}
+# 20 steps: a couple of corrections are learned in about that many on 2 cores (1-3 s a step).
+FT_MAX_STEPS = 500
+"""More is refused in the UI (the library allows 10,000): at 1-3 s a step on 2 cores, 500 steps
+already hold the only fine-tune slot for up to half an hour; use the CLI for longer runs."""
+FT_POLL_S = 0.5
+"""How often the Fine-tune tab looks for new losses from the worker thread."""
+
 # Buttons (their visible names are what the browser test clicks).
 STEP, RUN_TURN, RUN_ALL, STOP, RESET = "Step", "Run turn", "Run to end", "Stop", "Reset"
 SAVE_NEXT, PREV, NEXT = "Save & next", "◀ Prev", "Next ▶"
+FT_PREVIEW, FT_RUN = "Preview data", "Fine-tune"
 
 # Element ids used by the keyboard script and the browser test.
 ID_RUN_MESSAGE = "run-message"
@@ -58,3 +70,4 @@ ID_ANN_CODE = "ann-corrected-predicted"
 ID_TRACES_STATUS = "traces-status"
 ID_TRACES_TABLE = "traces-table"
 ID_TRACES_CARDS = "traces-cards"
+ID_FT_MESSAGE = "ft-message"
