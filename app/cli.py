@@ -35,7 +35,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
     p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
     p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path>")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model> "
+                        "(an OpenAI-compatible server; API key from $ENVACE_API_KEY or $OPENAI_API_KEY)")
     p.add_argument("--adapter", default=None,
                    help="LoRA adapter directory; `none` for the bare base model; `default` for the shipped "
                         "adapter (the default for `embedded`)")
@@ -108,12 +109,28 @@ def load_task_or_fail(task_id: str):
 
 
 def load_policy_or_fail(spec: str, adapter: str | None):
+    """The policy, or a one-line UserError (bad spec, missing weights, server down or wrong model name)."""
     import model_backend
 
     try:
         return model_backend.load_policy(spec, adapter=adapter)
     except (model_backend.ModelSpecError, model_backend.MissingModelError, model_backend.AdapterError) as exc:
         raise UserError(str(exc).splitlines()[0]) from None
+    except RuntimeError as exc:
+        if _is_model_failure(exc):  # RemoteError and its kinds
+            raise UserError(str(exc).splitlines()[0]) from None
+        raise
+
+
+def check_selector_or_fail(policy: Any, selector: str, mode: str) -> None:
+    """`judge` needs prompt log-probabilities: refuse it up front for a server that has none."""
+    from app.engine.selection import check_selector
+    from model_backend.base import RemoteCapabilityError
+
+    try:
+        check_selector(policy, selector, mode)
+    except RemoteCapabilityError as exc:
+        raise UserError(str(exc)) from None
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -141,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     policy = load_policy_or_fail(args.model, args.adapter)
+    check_selector_or_fail(policy, settings.selector, settings.mode)
 
     from app.engine import EpisodeRunner, episode_json, format_step
     from app.store import Recorder, Store, StoreError
@@ -172,6 +190,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                       file=out)
     except KeyboardInterrupt:
         runner.stop()
+    except RuntimeError as exc:
+        if not _is_model_failure(exc):
+            raise
+        # The server went away mid-step: the finished steps are already stored; say so and stop.
+        ep = runner.episode
+        ep.status, ep.error = "failed", str(exc).splitlines()[0][:500]
+        try:
+            recorder.flush(ep)
+        except StoreError:
+            pass
+        raise UserError(f"{ep.error} (episode {ep.id} marked failed; {len(ep.steps)} complete step(s) "
+                        f"saved to {db_path})") from None
     try:
         recorder.flush(runner.episode)
     except StoreError as exc:
@@ -182,6 +212,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(episode_json(ep), ensure_ascii=False, default=str))
     return 0
+
+
+def _is_model_failure(exc: BaseException) -> bool:
+    """A remote server's failure (RemoteError kinds, RemoteCapabilityError), not a bug of ours."""
+    import model_backend
+
+    return isinstance(exc, (model_backend.RemoteCapabilityError, model_backend.RemoteError))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

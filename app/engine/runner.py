@@ -20,7 +20,7 @@ from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, a
                          call_text, canonical_call, canonical_json, parse_action, parse_result,
                          rehearse_prompt, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
-from model_backend.base import Generation, GenerationConfig, Policy, Prompt
+from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError
 
 log = logging.getLogger(__name__)
 
@@ -319,8 +319,11 @@ class EpisodeRunner:
                     and b.index in self._rehearse_prompts]
         if not measured:
             return
-        logprobs = self.policy.score([self._rehearse_prompts[b.index] for b in measured],
-                                     [rehearse_target(b.actual) for b in measured])
+        try:
+            logprobs = self.policy.score([self._rehearse_prompts[b.index] for b in measured],
+                                         [rehearse_target(b.actual) for b in measured])
+        except RemoteCapabilityError:  # a server without prompt log-probabilities: no surprise
+            logprobs = [[] for _ in measured]
         for b, lps in zip(measured, logprobs):
             valid = parse_result(b.predicted_text)[1] is None
             b.metrics = compare(b.predicted, valid, b.actual, surprise=_round(mean_nll(lps)))

@@ -14,7 +14,7 @@ from typing import Any
 from app.divergence import is_error
 from app.formats import HistoryItem, call_text, judge_prompt
 from app.records import Branch
-from model_backend.base import Policy
+from model_backend.base import NO_PROMPT_LOGPROBS, Policy, RemoteCapabilityError, supports_scoring
 
 PREDICTED_ERROR_PENALTY = 0.5
 """Subtracted when the rehearsal predicts an error (scores are probabilities or mean log-probs)."""
@@ -28,6 +28,12 @@ def branch_summary(branch: Branch) -> str:
     if branch.kind == "answer":
         return f"reply to the user: {branch.action_text.strip()[:300]}"
     return branch.action_text[:300]
+
+
+def check_selector(policy: Policy, selector: str, mode: str) -> None:
+    """Refuse up front what the policy cannot score: `judge` needs prompt log-probabilities."""
+    if selector == "judge" and mode != "none" and not supports_scoring(policy):
+        raise RemoteCapabilityError(NO_PROMPT_LOGPROBS)
 
 
 def judge_scores(policy: Policy, request: str, history: list[HistoryItem],

@@ -36,7 +36,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 instruction = gr.Textbox(label="Instruction", lines=3,
                                          placeholder="e.g. List the files in the current directory.")
             model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
-                                info="embedded | hf:<id or path> | gguf:<path>")
+                                info="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model>")
             shipped = shipped_adapter()  # the trained agent, when fixtures/ has it
             adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=shipped or C.NO_ADAPTER,
                                   allow_custom_value=True, label="Adapter (LoRA)")

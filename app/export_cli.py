@@ -1,0 +1,116 @@
+"""CLI: `export --format trl` (the fine-tune's Act and Rehearse rows as TRL conversational JSONL).
+
+Imports stay light: the tokenizer (for the same token budgets as the fine-tune's prompts)
+loads inside the command.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from app.cli import UserError
+from app.config import default_db_path
+
+ROW_SOURCES = ("corrections", "episodes", "expert")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("export", help="export training rows as TRL conversational JSONL",
+                       description="Write the joint Act and Rehearse rows that the light fine-tune trains on "
+                                   "(the same prompts and targets) as TRL conversational JSONL with the "
+                                   "rehearsal fields, for `trl sft` under `accelerate launch`.")
+    p.add_argument("--format", choices=("trl",), default="trl", help="output format (TRL conversational JSONL)")
+    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
+    p.add_argument("--rows", choices=ROW_SOURCES, default="corrections",
+                   help="corrections: annotated branches, as `finetune` uses them; episodes: reward-filtered "
+                        "rows of stored finished episodes (self-training); expert: ground-truth replays of tasks")
+    p.add_argument("--annotated", action="store_true",
+                   help="with --rows corrections: also annotated branches without a correction (their real response)")
+    p.add_argument("--episodes", nargs="+", default=None, help="only these episode ids")
+    p.add_argument("--tasks", default="bfcl:multi_turn_base", help="with --rows expert: a comma list of categories (multi_turn_base) or task ids")
+    p.add_argument("--split", choices=("train", "heldout", "all"), default="train",
+                   help="with --rows expert: the multi_turn_base split (never export held-out rows for training)")
+    p.add_argument("--limit", type=int, default=None, help="with --rows expert: only the first N tasks")
+    p.add_argument("--tool-format", choices=("structured", "text"), default="structured",
+                   help="structured: assistant `tool_calls`, named `tool` results and `tools`; text: every "
+                        "message exactly as the engine renders it")
+    p.add_argument("--shape", choices=("messages", "prompt-completion"), default="messages",
+                   help="messages: one conversation per row; prompt-completion: the reply apart, so TRL "
+                        "trains on the reply only (as the light fine-tune does)")
+    p.add_argument("--tokenizer", default="embedded",
+                   help="token counts for prompt budgets: embedded | hf:<id or path> (the model you will train)")
+    p.set_defaults(func=cmd_export)
+
+
+def _context(tokenizer_spec: str) -> Any:
+    import model_backend
+    from model_backend.loading import load_tokenizer
+
+    from app.training_data import PromptContext
+
+    try:
+        tok, window = load_tokenizer(tokenizer_spec)
+    except (model_backend.ModelSpecError, model_backend.MissingModelError) as exc:
+        raise UserError(f"--tokenizer: {str(exc).splitlines()[0]}") from None
+    return PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)), window)
+
+
+def _expert_ids(args: argparse.Namespace) -> list[str]:
+    from app.evaluation import resolve_tasks
+
+    try:
+        return resolve_tasks(args.tasks, None if args.split == "all" else args.split, args.limit)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from app import envs
+    from app.finetune import FinetuneError, build_rows, select_corrections
+    from app.store import Store, StoreError
+    from app.training_data import expert_rows, self_training_rows
+    from app.trl_export import write_jsonl
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name a .jsonl file")
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be at least 1")
+    expert_ids = _expert_ids(args) if args.rows == "expert" else []
+    store = None
+    if args.rows != "expert":
+        db = args.db or default_db_path()
+        if not Path(db).is_file():
+            raise UserError(f"no database at {db} (run or annotate episodes first, or pass --db)")
+        try:
+            store = Store(db)
+        except StoreError as exc:
+            raise UserError(str(exc)) from None
+    ctx = _context(args.tokenizer)
+    try:
+        if args.rows == "corrections":
+            selected = select_corrections(store, args.episodes, args.annotated)
+            rows = build_rows(store, selected, ctx)
+            episodes = {s.episode_id: store.get_episode(s.episode_id) for s in selected}
+        elif args.rows == "episodes":
+            ids = args.episodes or [r["id"] for r in store.list_episodes(status="finished")]
+            episodes = {i: store.get_episode(i) for i in ids}
+            known = {i: ep for i, ep in episodes.items() if not ep.task_id.startswith("instruction:")}
+            rows = self_training_rows(known.values(), ctx)
+        else:
+            rows, replays = expert_rows(expert_ids, ctx)
+            episodes = {ep.id: ep for ep in replays}
+    except FinetuneError as exc:
+        raise UserError(str(exc)) from None
+    except (StoreError, KeyError, envs.UnknownTaskError) as exc:
+        raise UserError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+    if not rows:
+        raise UserError("no training rows to export (no committed call, answer or real response in the selection)")
+    try:
+        stats = write_jsonl(rows, episodes, out, args.tool_format, args.shape)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    print(f"wrote {stats.rows} rows ({stats.act} act, {stats.rehearse} rehearse) to {stats.path}")
+    return 0
