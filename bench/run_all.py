@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py"]
+SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -60,6 +60,15 @@ def table() -> str:
     if "wall_s" in ft:
         rows.append(f"| fine-tune, 20 corrected steps x 3 epochs | {fmt(ft['wall_s'], ' s')} "
                     f"({fmt(ft.get('tokens_per_s'), ' tokens/s')}) | <= 180 s |")
+    remote = load("remote").get("results", {})
+    for key, label in (("local_k1", "step, local backend, K=1"), ("local_k4", "step, local backend, K=4"),
+                       ("transformers_serve_k1", "step via `transformers serve`, K=1"),
+                       ("transformers_serve_k4", "step via `transformers serve`, K=4")):
+        if key in remote:
+            r = remote[key]
+            where = (f" (server {fmt(r['mean_server_s'], ' s')}, network {fmt(r['mean_network_s'], ' s')}, "
+                     f"client {fmt(r['mean_client_s'], ' s')})") if "mean_server_s" in r else ""
+            rows.append(f"| {label} | {fmt(r['mean_s'], ' s')}{where} | |")
     return "\n".join(rows)
 
 
