@@ -59,7 +59,7 @@ def table() -> str:
     ft = load("finetune")
     if "wall_s" in ft:
         rows.append(f"| fine-tune, 20 corrected steps x 3 epochs | {fmt(ft['wall_s'], ' s')} "
-                    f"({fmt(ft.get('tokens_per_s'), ' tokens/s')}) | <= 180 s |")
+                    f"({fmt(ft.get('train', {}).get('tokens_per_s'), ' tokens/s')}) | <= 180 s |")
     remote = load("remote").get("results", {})
     for key, label in (("local_k1", "step, local backend, K=1"), ("local_k4", "step, local backend, K=4"),
                        ("transformers_serve_k1", "step via `transformers serve`, K=1"),
