@@ -11,7 +11,6 @@ every core, and a second one would only slow both.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import re
 import threading
@@ -23,7 +22,7 @@ from typing import Any, Iterator
 from app.config import shipped_adapter
 from app.finetune import (MAX_HELDOUT_ROWS, FinetuneError, FinetuneRequest, FinetuneResult, Selected, build_rows,
                           run_finetune, select_corrections)
-from app.inspect_service import InputError
+from app.inspect_service import InputError, parse_number
 from app.store import Store
 from app.training_data import PromptContext
 
@@ -59,19 +58,6 @@ def adapter_dir(name: str | None, root: Path = ADAPTER_ROOT) -> Path:
     return out
 
 
-def _number(label: str, value: Any, low: float, high: float, whole: bool) -> float:
-    kind = "a whole number" if whole else "a number"
-    if value is None or value == "":
-        raise InputError(f"{label} is empty: enter {kind} from {low:g} to {high:g}.")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{label} must be {kind} from {low:g} to {high:g}; got {value!r}.") from None
-    if not math.isfinite(number) or (whole and number != int(number)) or not low <= number <= high:
-        raise InputError(f"{label} must be {kind} from {low:g} to {high:g}; got {number:g}.")
-    return number
-
-
 def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr: Any, rank: Any,
                   parent: str | None, out: Path, heldout_rows: Any, agreement: bool,
                   max_steps: int) -> FinetuneRequest:
@@ -80,12 +66,12 @@ def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr
     `parent` is an adapter directory or None (the base weights); the library checks that it
     is an adapter, and that `out` is new, before anything loads.
     """
-    steps = int(_number("Steps", steps, 1, max_steps, whole=True))
-    lr = _number("Learning rate", lr, 0, 1.0, whole=False)
+    steps = int(parse_number("Steps", steps, 1, max_steps, whole=True))
+    lr = parse_number("Learning rate", lr, 0, 1.0, whole=False)
     if lr == 0:
         raise InputError("Learning rate must be above 0 (and at most 1), e.g. 3e-4; got 0.")
-    rank = int(_number("Rank", rank, 1, 256, whole=True))
-    held = int(_number("Held-out rows", heldout_rows, 0, MAX_HELDOUT_ROWS, whole=True))
+    rank = int(parse_number("Rank", rank, 1, 256, whole=True))
+    held = int(parse_number("Held-out rows", heldout_rows, 0, MAX_HELDOUT_ROWS, whole=True))
     return FinetuneRequest(out=out, steps=steps, lr=lr, rank=rank, parent=Path(parent) if parent else None,
                            episodes=list(episodes) if episodes else None, annotated=bool(annotated),
                            measure_agreement=bool(agreement), heldout_rows=held)

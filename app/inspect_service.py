@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,17 +56,27 @@ _SETTING_NAMES = {"branches": "K (branches)", "seed": "Seed", "temperature": "Te
                   "max_steps_per_turn": "Steps per turn"}
 
 
-def _whole(name: str, value: Any, low: int, high: int) -> int:
-    label = _SETTING_NAMES.get(name, name)
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def parse_number(label: str, value: Any, low: float, high: float, whole: bool = True) -> float:
+    """A form field as a number within [low, high] (a whole one if `whole`), or a clear InputError."""
+    kind = "a whole number" if whole else "a number"
+    span = f"from {_bound(low)} to {_bound(high)}"
     if value is None or value == "":
-        raise InputError(f"{label} is empty: enter a whole number from {low} to {high}.")
+        raise InputError(f"{label} is empty: enter {kind} {span}.")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise InputError(f"{label} must be a whole number from {low} to {high}; got {value!r}.") from None
-    if number != int(number) or not low <= number <= high:
-        raise InputError(f"{label} must be a whole number from {low} to {high}; got {number:g}.")
-    return int(number)
+        raise InputError(f"{label} must be {kind} {span}; got {value!r}.") from None
+    if not math.isfinite(number) or (whole and number != int(number)) or not low <= number <= high:
+        raise InputError(f"{label} must be {kind} {span}; got {number:g}.")
+    return number
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> int:
+    return int(parse_number(_SETTING_NAMES.get(name, name), value, low, high))
 
 
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,

@@ -104,9 +104,9 @@ class RemoteOptions:
     """`embedded`, `hf:<id or path>`, `none`; None: guess (a local directory, or the embedded model's name)."""
     prompt: Literal["auto", "completions", "chat"] = "auto"
     thinking: bool | None = None
+    """`enable_thinking` for the chat template (Qwen3 thinks by default and spends the action budget on it)."""
     do_sample: bool | None = None
     """Send `generation_config` with `do_sample` on sampled requests (`transformers serve`); None: detect."""
-    """`enable_thinking` for the chat template (Qwen3 thinks by default and spends the action budget on it)."""
     timeout: float = 120.0
     """Seconds for one request to answer (a long generation on a busy server takes a while)."""
     connect_timeout: float = 5.0
