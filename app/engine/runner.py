@@ -51,6 +51,8 @@ class EpisodeRunner:
         self._turn_steps = 0
         self._turn_executed: list[tuple[str, dict[str, Any], Any]] = []
         self._rehearse_prompts: dict[int, Prompt] = {}
+        self._predicted_valid: dict[int, bool] = {}
+        self._state_before: dict[str, Any] = {}
 
     # ------------------------------------------------------------ public loop
 
@@ -173,13 +175,15 @@ class EpisodeRunner:
         todo = [b for b in branches if b.kind == "call" and b.predicted_text is None]
         if not todo:
             return 0
-        state = self.env.state() if self.settings.rehearsal_context == "history+state" else None
+        # Rehearsal happens before the commit, so the pre-step state is the state to show.
+        state = self._state_before if self.settings.rehearsal_context == "history+state" else None
         prompts = [rehearse_prompt(tools.get(b.call.name), b.call, self.history, state) for b in todo]
         config = GenerationConfig(max_new_tokens=self.settings.max_rehearsal_tokens, temperature=0.0,
                                   seed=self.settings.seed, stop=REHEARSE_STOP)
         for branch, prompt, gen in zip(todo, prompts, self.policy.rehearse(prompts, config)):
             branch.predicted_text = gen.text
-            branch.predicted, _ = parse_result(gen.text)
+            branch.predicted, error = parse_result(gen.text)
+            self._predicted_valid[branch.index] = error is None
             self._rehearse_prompts[branch.index] = prompt
         return len(todo)
 
@@ -196,7 +200,8 @@ class EpisodeRunner:
         index = len(self.episode.steps)
         tools_list = self.env.tools()
         tools = {t.name: t for t in tools_list}
-        self._rehearse_prompts: dict[int, Prompt] = {}
+        self._rehearse_prompts, self._predicted_valid = {}, {}
+        self._state_before = state_before
         rehearsals = 0
         mode = self.settings.mode
         if mode == "sequential":
@@ -325,8 +330,7 @@ class EpisodeRunner:
         except RemoteCapabilityError:  # a server without prompt log-probabilities: no surprise
             logprobs = [[] for _ in measured]
         for b, lps in zip(measured, logprobs):
-            valid = parse_result(b.predicted_text)[1] is None
-            b.metrics = compare(b.predicted, valid, b.actual, surprise=_round(mean_nll(lps)))
+            b.metrics = compare(b.predicted, self._predicted_valid[b.index], b.actual, surprise=_round(mean_nll(lps)))
 
 
 def _round(value: float | None) -> float | None:
