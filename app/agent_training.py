@@ -250,17 +250,42 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     save_adapter(model, cfg.out, {"training.json": json.dumps(card, indent=2, default=str)}, replace=True)
     report(f"adapter saved to {cfg.out}")
     if cfg.eval_tasks > 0:
-        card["heldout"] = {"adapter": heldout_report(policy, cfg.eval_tasks, max_turns=cfg.eval_turns,
-                                                     forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes)}
-        report(f"held-out, adapter: {json.dumps(card['heldout']['adapter'])}")
-        from model_backend.policy import TransformersPolicy
-
-        base = TransformersPolicy(load_model(cfg.spec))  # fresh: peft wrapped the first load in place
-        card["heldout"]["base"] = heldout_report(base, cfg.eval_tasks, max_turns=cfg.eval_turns,
-                                                 forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes)
-        report(f"held-out, base: {json.dumps(card['heldout']['base'])}")
+        card["heldout"] = heldout_comparison(policy, cfg, report)
     card["total_seconds"] = round(time.perf_counter() - started, 1)
     write_card(cfg.out, card)
+    return card
+
+
+def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Report = log.info) -> dict[str, Any]:
+    """`heldout_report` for the adapter, then for the base weights, on the same tasks and settings."""
+    from model_backend import load_model
+    from model_backend.policy import TransformersPolicy
+
+    kwargs = dict(max_turns=cfg.eval_turns, forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes or None)
+    out = {"adapter": heldout_report(adapter_policy, cfg.eval_tasks, **kwargs)}
+    report(f"held-out, adapter: {json.dumps(out['adapter'])}")
+    base = TransformersPolicy(load_model(cfg.spec))  # a fresh load: peft wraps a model in place
+    out["base"] = heldout_report(base, cfg.eval_tasks, **kwargs)
+    report(f"held-out, base: {json.dumps(out['base'])}")
+    return out
+
+
+def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report = log.info) -> dict[str, Any]:
+    """Add the held-out base-vs-adapter table to an adapter that `train_agent` wrote (its card is rewritten)."""
+    from model_backend import load_model
+    from model_backend.policy import TransformersPolicy
+
+    card_path = adapter_dir / "training.json"
+    if not card_path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no training.json: it was not written by train-agent")
+    card = json.loads(card_path.read_text())
+    started = time.perf_counter()
+    policy = TransformersPolicy(load_model(cfg.spec, adapter=adapter_dir))
+    card["heldout"] = heldout_comparison(policy, cfg, report)
+    card["config"].update({k: getattr(cfg, k) for k in ("eval_tasks", "eval_turns", "eval_forced_calls", "eval_minutes")})
+    card["eval_seconds"] = round(time.perf_counter() - started, 1)
+    card["total_seconds"] = round(card["train_seconds"] + card["eval_seconds"], 1)
+    write_card(adapter_dir, card)
     return card
 
 
@@ -344,5 +369,6 @@ def write_card(out: Path, card: dict[str, Any]) -> None:
 
 
 __all__ = ["ADAPTER_NAME", "AgentTrainingConfig", "SHIPPED_ADAPTER", "call_matches", "card_markdown",
-           "default_adapter_path", "episode_metrics", "forced_rehearsal", "heldout_report", "run_episode",
+           "default_adapter_path", "episode_metrics", "evaluate_adapter", "forced_rehearsal", "heldout_comparison",
+           "heldout_report", "run_episode",
            "train_agent", "write_card"]

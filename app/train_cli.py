@@ -26,6 +26,11 @@ def register(sub: Any) -> None:
     p.add_argument("--rollout-minutes", type=float, default=7.0, help="time budget of self-training rollouts")
     p.add_argument("--round2-minutes", type=float, default=6.0, help="time budget of self-training")
     p.add_argument("--eval-tasks", type=int, default=6, help="held-out tasks for the base-vs-adapter table (0: skip)")
+    p.add_argument("--eval-turns", type=int, default=2, help="turns rolled out per held-out task")
+    p.add_argument("--eval-minutes", type=float, default=8.0,
+                   help="wall-time cap of each model's held-out episodes (0: none, every task runs)")
+    p.add_argument("--evaluate", metavar="ADAPTER", default=None,
+                   help="train nothing: add the held-out base-vs-adapter table to this train-agent adapter's card")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (minutes), not the shipped adapter")
     p.set_defaults(func=cmd_train_agent)
 
@@ -64,7 +69,15 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     cfg = AgentTrainingConfig(out=Path(args.out) if args.out else SHIPPED_ADAPTER, seed=args.seed,
                               train_tasks=args.train_tasks, round1_minutes=args.round1_minutes,
                               rollout_minutes=args.rollout_minutes, round2_minutes=args.round2_minutes,
-                              eval_tasks=args.eval_tasks)
+                              eval_tasks=args.eval_tasks, eval_turns=args.eval_turns,
+                              eval_minutes=args.eval_minutes)
+    for name in ("eval_tasks", "eval_turns"):
+        if getattr(args, name) < 0 or (name == "eval_turns" and args.eval_turns == 0):
+            raise UserError(f"--{name.replace('_', '-')} must be {'at least 1' if name == 'eval_turns' else '0 or more'}")
+    if args.eval_minutes < 0:
+        raise UserError("--eval-minutes must be 0 (no cap) or more")
+    if args.evaluate:
+        return _evaluate(Path(args.evaluate), cfg)
     if args.quick:
         if not args.out:
             raise UserError("--quick needs --out (it must not replace the shipped adapter)")
@@ -85,6 +98,18 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
         bar.close()
     print(f"adapter written to {cfg.out} (model card: {cfg.out / 'README.md'}); "
           f"{card['total_seconds'] / 60:.1f} min")
+    return 0
+
+
+def _evaluate(adapter: Path, cfg: Any) -> int:
+    from app.agent_training import evaluate_adapter
+
+    if not (adapter / "training.json").is_file():
+        raise UserError(f"{adapter} is not an adapter written by train-agent (no training.json)")
+    if cfg.eval_tasks == 0:
+        raise UserError("--evaluate needs --eval-tasks of at least 1")
+    card = evaluate_adapter(adapter, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"held-out table added to {adapter / 'README.md'}; {card['eval_seconds'] / 60:.1f} min")
     return 0
 
 
