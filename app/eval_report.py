@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from app.evaluation import BEST_OF_K
+
+log = logging.getLogger(__name__)
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("task_success", "task success"),
@@ -147,8 +150,30 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def write_pngs(figs: list[Any], out_dir: Path) -> list[Path]:
+    """figure_N.png for each figure, in one browser session, where kaleido and a Chrome/Chromium exist.
+
+    PNGs are a convenience next to figures.html: without kaleido (a Space) or without a
+    browser, they are skipped with a warning, never an error that loses the table.
+    """
+    if importlib.util.find_spec("kaleido") is None:
+        log.info("PNG figures skipped: kaleido is not installed")
+        return []
+    import plotly.io as pio
+
+    paths = [out_dir / f"figure_{i + 1}.png" for i in range(len(figs))]
+    try:
+        pio.write_images(figs, [str(p) for p in paths])
+    except RuntimeError as exc:  # kaleido's ChromeNotFoundError and browser start failures
+        log.warning("PNG figures skipped: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        for path in paths:
+            path.unlink(missing_ok=True)
+        return []
+    return paths
+
+
 def write_outputs(result: dict[str, Any], out: str | os.PathLike[str]) -> list[Path]:
-    """results.json, results.md, figures.html (one self-contained page), and PNGs when kaleido is installed."""
+    """results.json, results.md, figures.html (one self-contained page), and PNGs where possible (`write_pngs`)."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "results.json", out_dir / "results.md", out_dir / FIGURE_FILE]
@@ -158,12 +183,9 @@ def write_outputs(result: dict[str, Any], out: str | os.PathLike[str]) -> list[P
     html = "\n".join(fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figs))
     _write_atomic(written[2], f"<!doctype html><html><head><meta charset='utf-8'><title>Evaluation</title>"
                               f"</head><body>{html}</body></html>\n")
-    if importlib.util.find_spec("kaleido") is not None:
-        for i, fig in enumerate(figs):
-            path = out_dir / f"figure_{i + 1}.png"
-            fig.write_image(str(path))
-            written.append(path)
+    written += write_pngs(figs, out_dir)
     return written
 
 
-__all__ = ["COLUMNS", "FIGURE_FILE", "figures", "markdown", "row_label", "table_markdown", "write_outputs"]
+__all__ = ["COLUMNS", "FIGURE_FILE", "figures", "markdown", "row_label", "table_markdown", "write_outputs",
+           "write_pngs"]

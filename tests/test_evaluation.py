@@ -5,13 +5,14 @@ runs the real embedded model on two held-out BFCL tasks.
 """
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from app import envs
 from app.cli import main
 from app.engine.oracle import CALL_OK, TURN_PASSES, BestOfKRunner, oracle_settings
-from app.eval_report import markdown
+from app.eval_report import figures, markdown, write_outputs
 from app.evaluation import BEST_OF_K, EvalConfig, resolve_tasks, run_eval, table_row
 from app.records import RunSettings
 from app.store import Store
@@ -279,6 +280,31 @@ def test_cli_writes_the_files_and_resumes(tmp_path, capsys, scripted_model):
     assert main(args) == 0
     second = json.loads((out / "results.json").read_text())
     assert second["run"]["episodes_resumed"] == 3 and comparable(first) == comparable(second)
+
+
+@pytest.mark.browser
+def test_png_figures_are_drawn_by_kaleido_in_debian_chromium(tmp_path):
+    result = run_eval(config(state_probe=0), Store(tmp_path / "e.db"), PromptPolicy())
+    written = write_outputs(result, tmp_path / "out")
+    pngs = [p for p in written if p.suffix == ".png"]
+    assert len(pngs) == len(figures(result)) > 0
+    for path in pngs:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000
+
+
+def test_without_a_browser_the_pngs_are_skipped_and_the_table_is_kept(tmp_path, monkeypatch, caplog):
+    import plotly.io as pio
+    from choreographer.browsers.chromium import ChromeNotFoundError
+
+    def no_browser(figs, paths, **kwargs):
+        Path(paths[0]).write_bytes(b"partial")  # a half-written file must not stay behind
+        raise ChromeNotFoundError("Kaleido v1 and later requires Chrome to be installed.")
+    monkeypatch.setattr(pio, "write_images", no_browser)
+    result = run_eval(config(state_probe=0), Store(tmp_path / "e.db"), PromptPolicy())
+    written = write_outputs(result, tmp_path / "out")
+    assert [p.name for p in written] == ["results.json", "results.md", "figures.html"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["figures.html", "results.json", "results.md"]
+    assert "PNG figures skipped: Kaleido v1 and later requires Chrome" in caplog.text
 
 
 @pytest.mark.parametrize("args,message", [
