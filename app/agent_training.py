@@ -318,7 +318,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"- Expert traces: the ground-truth calls of {data['expert_tasks']} BFCL `{data['split']}` tasks executed "
         "in the real API classes; Act targets are the calls plus a short final answer at each turn end, Rehearse "
         "targets the real responses. Prompts are the engine's own (`act_prompt`, `rehearse_prompt`).",
-        f"- Rows: {json.dumps(data['expert_rows'])}.",
+        f"- Rows: {json.dumps(data['expert_rows'])}; round 1 uses every Act row and {cfg['rehearse_rows']} Rehearse rows "
+        "sampled at random (all of them would triple the round's time).",
         f"- Self-training: parallel-rehearsal rollouts (K=2, logprob selector) on {len(data['self_training_episodes'])} "
         "training tasks; Act rows kept only from turns that pass the BFCL state/response check, Rehearse rows from "
         "every real response.", "",
@@ -326,7 +327,11 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"- LoRA r={cfg['rank']}, alpha={2 * cfg['rank']}, all linear layers, lr {cfg['lr']} (warmup, cosine to 10%), seed {cfg['seed']}.",
         f"- Sequence length: single rows over {cfg['max_seq_len']} tokens dropped (never truncated); the Act rows of "
         f"one task share a sequence of up to {cfg['pack_len']} tokens (their prompts extend each other token for "
-        "token, so each target sees exactly its inference prompt).", "",
+        "token, so each target sees exactly its inference prompt).",
+        f"- Time budgets: round 1 {cfg['round1_minutes']:g} min (at most {cfg['round1_steps']} steps), rollouts "
+        f"{cfg['rollout_minutes']:g} min ({cfg['rollout_tasks']} tasks, first {cfg['rollout_turns']} turns), round 2 "
+        f"{cfg['round2_minutes']:g} min (at most {cfg['round2_steps']} steps); each round's schedule follows whichever "
+        "of steps or time runs out first.", "",
         "| round | rows | steps | s/step | tokens/s | loss first -> last | minutes |", "|---|---|---|---|---|---|---|",
     ]
     for r in card["rounds"]:
@@ -335,7 +340,7 @@ def card_markdown(card: dict[str, Any]) -> str:
                      f"{t['tokens_per_s']} | {_fmt(t['loss_first'])} -> {_fmt(t['loss_last'])} | "
                      f"{t['seconds'] / 60:.1f} |")
     hw = card["hardware"]
-    lines += ["", f"Hardware: {hw['device']}, {hw['cpus']} CPU cores (shared with other jobs), torch {hw['torch']}. "
+    lines += ["", f"Hardware: {hw['device']}, {hw['cpus']} CPU cores, torch {hw['torch']}. "
               f"Training wall time {card['train_seconds'] / 60:.1f} min; with evaluation "
               f"{card.get('total_seconds', card['train_seconds']) / 60:.1f} min.", ""]
     held = card.get("heldout")

@@ -1,4 +1,8 @@
-"""CLI: `export --format trl` (the fine-tune's Act and Rehearse rows as TRL conversational JSONL).
+"""CLI: `export` (TRL training rows, or whole episodes) and `import` (episodes into a database).
+
+`export --format trl` writes the fine-tune's Act and Rehearse rows as TRL conversational
+JSONL; `export --format episodes` writes stored episodes with their annotations
+(`app.trace_io`), which `import` validates in full and writes in one transaction.
 
 Imports stay light: the tokenizer (for the same token budgets as the fine-tune's prompts)
 loads inside the command.
@@ -16,11 +20,13 @@ ROW_SOURCES = ("corrections", "episodes", "expert")
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("export", help="export training rows as TRL conversational JSONL",
-                       description="Write the joint Act and Rehearse rows that the light fine-tune trains on "
-                                   "(the same prompts and targets) as TRL conversational JSONL with the "
-                                   "rehearsal fields, for `trl sft` under `accelerate launch`.")
-    p.add_argument("--format", choices=("trl",), default="trl", help="output format (TRL conversational JSONL)")
+    p = sub.add_parser("export", help="export training rows (TRL JSONL) or whole episodes (JSONL)",
+                       description="--format trl: the joint Act and Rehearse rows that the light fine-tune trains "
+                                   "on (the same prompts and targets) as TRL conversational JSONL with the "
+                                   "rehearsal fields, for `trl sft` under `accelerate launch`. --format episodes: "
+                                   "stored episodes with every branch and annotation, for `import` elsewhere.")
+    p.add_argument("--format", choices=("trl", "episodes"), default="trl",
+                   help="trl: TRL conversational training rows; episodes: one stored episode per line (for import)")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
     p.add_argument("--rows", choices=ROW_SOURCES, default="corrections",
@@ -42,6 +48,17 @@ def register(sub: Any) -> None:
     p.add_argument("--tokenizer", default="embedded",
                    help="token counts for prompt budgets: embedded | hf:<id or path> (the model you will train)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="import episodes from an `export --format episodes` file",
+                       description="Validate every line of a JSONL file of episodes (size, JSON, schema, "
+                                   "references) and write them with their annotations in one transaction: "
+                                   "a bad file changes nothing.")
+    p.add_argument("file", help="JSONL file written by `export --format episodes`")
+    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()}; created if missing)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="skip episodes whose id the database already holds (default: refuse the whole file)")
+    p.add_argument("--max-mb", type=float, default=None, help="size limit of the file in MiB (default 64)")
+    p.set_defaults(func=cmd_import)
 
 
 def _context(tokenizer_spec: str) -> Any:
@@ -66,28 +83,73 @@ def _expert_ids(args: argparse.Namespace) -> list[str]:
         raise UserError(str(exc)) from None
 
 
+def _open_store(db: str | None, must_exist: bool) -> Any:
+    from app.store import Store, StoreError
+
+    db = db or default_db_path()
+    if must_exist and not Path(db).is_file():
+        raise UserError(f"no database at {db} (run or annotate episodes first, or pass --db)")
+    try:
+        return Store(db)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+
+
+def cmd_export_episodes(args: argparse.Namespace, out: Path) -> int:
+    from app.store import StoreError
+    from app.trace_io import export_episodes
+
+    store = _open_store(args.db, must_exist=True)
+    try:
+        n = export_episodes(store, out, args.episodes)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if n == 0:
+        out.unlink(missing_ok=True)
+        raise UserError(f"no episodes in {store.path}")
+    print(f"wrote {n} episodes to {out}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from app.store import StoreError
+    from app.trace_io import MAX_IMPORT_BYTES, TraceFileError, import_records, read_trace_file
+
+    if args.max_mb is not None and not args.max_mb > 0:
+        raise UserError("--max-mb must be more than 0")
+    limit = int(args.max_mb * 2**20) if args.max_mb else MAX_IMPORT_BYTES
+    try:
+        records = read_trace_file(args.file, limit)  # everything is checked before the database opens
+    except TraceFileError as exc:
+        raise UserError(f"{args.file}: {exc}; nothing was imported") from None
+    store = _open_store(args.db, must_exist=False)
+    try:
+        result = import_records(store, records, skip_existing=args.skip_existing)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    skipped = f"; skipped {len(result.skipped)} already present" if result.skipped else ""
+    print(f"imported {len(result.imported)} episodes with {result.annotations} annotations into {store.path}{skipped}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from app import envs
     from app.finetune import FinetuneError, build_rows, select_corrections
-    from app.store import Store, StoreError
+    from app.store import StoreError
     from app.training_data import expert_rows, self_training_rows
     from app.trl_export import write_jsonl
 
     out = Path(args.out)
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name a .jsonl file")
+    if args.format == "episodes":
+        return cmd_export_episodes(args, out)
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be at least 1")
     expert_ids = _expert_ids(args) if args.rows == "expert" else []
-    store = None
-    if args.rows != "expert":
-        db = args.db or default_db_path()
-        if not Path(db).is_file():
-            raise UserError(f"no database at {db} (run or annotate episodes first, or pass --db)")
-        try:
-            store = Store(db)
-        except StoreError as exc:
-            raise UserError(str(exc)) from None
+    store = _open_store(args.db, must_exist=True) if args.rows != "expert" else None
     ctx = _context(args.tokenizer)
     try:
         if args.rows == "corrections":

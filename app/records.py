@@ -6,7 +6,7 @@ thing everywhere. The store writes them from their own `model_dump()`.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -16,7 +16,8 @@ Selector = Literal["judge", "logprob", "memory", "oracle"]
 RehearsalContext = Literal["history", "history+state"]
 ActualSource = Literal["committed", "shadow"]
 ActionKind = Literal["call", "answer", "parse_error"]
-LABELS = ("match", "minor", "major", "hallucinated_state", "wrong_format")
+Label = Literal["match", "minor", "major", "hallucinated_state", "wrong_format"]
+LABELS: tuple[str, ...] = get_args(Label)
 
 MODES: tuple[str, ...] = ("none", "parallel", "sequential")
 SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
@@ -156,7 +157,7 @@ class Annotation(BaseModel):
     """A person's judgement of one branch."""
 
     branch_id: int
-    label: Literal["match", "minor", "major", "hallucinated_state", "wrong_format"] | None = None
+    label: Label | None = None
     corrected_action: str | None = None
     corrected_predicted: Any = None
     note: str = ""

@@ -140,17 +140,69 @@ class Store:
         def write() -> int:
             with self.db.atomic():
                 self.db["episodes"].upsert(self._episode_row(ep), pk="id")
-                step_id = self.db["steps"].insert({
-                    "episode_id": ep.id, "idx": step.index, "turn": step.turn, "chosen": step.chosen,
-                    "kind": step.kind, "state_before": _json(step.state_before),
-                    "state_after": _json(step.state_after), "rehearsals": step.rehearsals,
-                    "shadow_calls": step.shadow_calls, "external_calls": step.external_calls,
-                    "duration_s": step.duration_s, "created_at": step.created_at,
-                }).last_pk
-                self.db["branches"].insert_all(self._branch_row(ep.id, step_id, step.index, b)
-                                               for b in step.branches)
-                return step_id
+                return self._insert_step(ep.id, step)
         return self._guard(write)
+
+    def _insert_step(self, episode_id: str, step: Step) -> int:
+        """The step row and its branch rows (inside the caller's transaction); returns the step's row id."""
+        step_id = self.db["steps"].insert({
+            "episode_id": episode_id, "idx": step.index, "turn": step.turn, "chosen": step.chosen,
+            "kind": step.kind, "state_before": _json(step.state_before),
+            "state_after": _json(step.state_after), "rehearsals": step.rehearsals,
+            "shadow_calls": step.shadow_calls, "external_calls": step.external_calls,
+            "duration_s": step.duration_s, "created_at": step.created_at,
+        }).last_pk
+        self.db["branches"].insert_all(self._branch_row(episode_id, step_id, step.index, b) for b in step.branches)
+        return step_id
+
+    def import_episodes(self, items: list[tuple[Episode, list[tuple[int, int, Annotation]]]],
+                        skip_existing: bool = False) -> tuple[list[str], list[str]]:
+        """Write whole episodes with their annotations, all in one transaction (all or nothing).
+
+        `items`: (episode, [(step index, branch index, annotation)]); an annotation's
+        `branch_id` is ignored and set to the new row id of its branch. An episode id the
+        database already holds is an error (nothing written) unless `skip_existing`.
+        Returns (imported ids, skipped ids).
+        """
+        def write() -> tuple[list[str], list[str]]:
+            imported, skipped = [], []
+            with self.db.atomic():
+                for ep, annotations in items:
+                    if self.db["episodes"].count_where("id = ?", [ep.id]):
+                        if skip_existing:
+                            skipped.append(ep.id)
+                            continue
+                        raise StoreError(f"episode {ep.id} is already in {self.path}; nothing was imported "
+                                         "(skip it with --skip-existing)")
+                    self.db["episodes"].insert(self._episode_row(ep))
+                    for step in ep.steps:
+                        self._insert_step(ep.id, step)
+                    ids = {(r["step_idx"], r["idx"]): r["id"] for r in self.db.query(
+                        "select id, step_idx, idx from branches where episode_id = ?", [ep.id])}
+                    for step_index, branch_index, ann in annotations:
+                        row = ann.model_dump()
+                        row.update(branch_id=ids[(step_index, branch_index)],
+                                   corrected_predicted=_json(row["corrected_predicted"]))
+                        self.db["annotations"].insert(row)
+                    imported.append(ep.id)
+            return imported, skipped
+        return self._guard(write)
+
+    def annotations_by_position(self, episode_id: str) -> list[tuple[int, int, Annotation]]:
+        """An episode's annotations as (step index, branch index, Annotation), oldest first."""
+        sql = ("select a.*, b.step_idx, b.idx as branch_idx from annotations a join branches b on b.id = a.branch_id "
+               "where b.episode_id = ? order by a.id")
+
+        def read() -> list[tuple[int, int, Annotation]]:
+            out = []
+            for r in self.db.query(sql, [episode_id]):
+                r = dict(r)
+                position = (r.pop("step_idx"), r.pop("branch_idx"))
+                r.pop("id")
+                r["corrected_predicted"] = _unjson(r["corrected_predicted"])
+                out.append((*position, Annotation(**r)))
+            return out
+        return self._guard(read)
 
     @staticmethod
     def _branch_row(episode_id: str, step_id: int, step_idx: int, b: Branch) -> dict[str, Any]:

@@ -1,0 +1,180 @@
+"""Episode traces as JSONL: export stored episodes with their annotations, import them into another database.
+
+One line per episode: `{"format": "envace-episode/1", "episode": Episode, "annotations":
+[TraceAnnotation]}`, written from the records' own `model_dump()`. Annotations are addressed
+by step and branch index (row ids differ between databases).
+
+Import checks everything before it writes anything: the file's size, each line's size,
+JSON, the record schema (the same pydantic models the engine writes), that every step and
+annotation points at something that exists, and that no episode id repeats. Then the store
+writes all episodes in one transaction, so a bad line or a locked database leaves the
+database as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from app.records import Annotation, Episode, Label
+from app.store import Store
+
+FORMAT = "envace-episode/1"
+MAX_IMPORT_BYTES = 64 * 2**20
+"""Largest file `import` reads (64 MiB: a few thousand BFCL episodes with their states)."""
+MAX_LINE_BYTES = 8 * 2**20
+"""Largest single episode line (an 8 MiB episode is a sign of a wrong file, not a long run)."""
+
+
+class TraceFileError(ValueError):
+    """A trace file that cannot be imported; the message names the line and the problem."""
+
+
+class TraceAnnotation(BaseModel):
+    """An annotation as it travels between databases: addressed by position, not by row id."""
+
+    step: int
+    """Index of the annotated branch's step in the episode."""
+    branch: int
+    """Index of the annotated branch in its step."""
+    label: Label | None = None
+    corrected_action: str | None = None
+    corrected_predicted: Any = None
+    note: str = ""
+    annotator: str = ""
+    created_at: str | None = None
+
+    def to_annotation(self) -> Annotation:
+        values = self.model_dump(exclude={"step", "branch"}, exclude_none=False)
+        if values["created_at"] is None:
+            values.pop("created_at")
+        return Annotation(branch_id=0, **values)
+
+
+class TraceRecord(BaseModel):
+    """One line of a trace file."""
+
+    format: Literal["envace-episode/1"]
+    episode: Episode
+    annotations: list[TraceAnnotation] = []
+
+
+@dataclass
+class ImportResult:
+    imported: list[str]
+    skipped: list[str]
+    annotations: int
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_episodes(store: Store, out: str | os.PathLike[str], episode_ids: Iterable[str] | None = None) -> int:
+    """Write the episodes (default: all, oldest first) to `out`, replaced atomically; returns how many."""
+    ids = list(episode_ids) if episode_ids is not None else [r["id"] for r in reversed(store.list_episodes())]
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for episode_id in ids:
+            ep = store.get_episode(episode_id)
+            annotations = [TraceAnnotation(step=s, branch=b, **a.model_dump(exclude={"branch_id"}))
+                           for s, b, a in store.annotations_by_position(episode_id)]
+            record = TraceRecord(format=FORMAT, episode=ep, annotations=annotations)
+            f.write(json.dumps(record.model_dump(mode="json"), ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return len(ids)
+
+
+# ---------------------------------------------------------------- import
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def _check_references(record: TraceRecord, line: int) -> None:
+    ep = record.episode
+    for position, step in enumerate(ep.steps):
+        if step.index != position:
+            raise TraceFileError(f"line {line}: episode {ep.id}: step {position} has index {step.index}")
+        if not 0 <= step.chosen < len(step.branches):
+            raise TraceFileError(f"line {line}: episode {ep.id}: step {step.index} chooses branch {step.chosen} "
+                                 f"of {len(step.branches)}")
+        indexes = [b.index for b in step.branches]
+        if len(set(indexes)) != len(indexes):
+            raise TraceFileError(f"line {line}: episode {ep.id}: step {step.index} repeats a branch index")
+    branches = {(s.index, b.index) for s in ep.steps for b in s.branches}
+    for ann in record.annotations:
+        if (ann.step, ann.branch) not in branches:
+            raise TraceFileError(f"line {line}: episode {ep.id}: an annotation points at step {ann.step}, "
+                                 f"branch {ann.branch}, which the episode does not have")
+
+
+def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
+    """Validate a whole trace file; raises TraceFileError naming the first problem."""
+    if len(data) > max_bytes:
+        raise TraceFileError(f"the file is {_size(len(data))}; the limit is {_size(max_bytes)}")
+    records: list[TraceRecord] = []
+    seen: set[str] = set()
+    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceFileError(f"line {line_no}: {_size(len(raw))} is over the {_size(MAX_LINE_BYTES)} limit of one episode")
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except UnicodeDecodeError:
+            raise TraceFileError(f"line {line_no}: not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise TraceFileError(f"line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(value, dict) or value.get("format") != FORMAT:
+            raise TraceFileError(f"line {line_no}: not an EnvACE episode record (expected \"format\": \"{FORMAT}\"; "
+                                 "TRL rows from `export --format trl` are for training, not for import)")
+        try:
+            record = TraceRecord.model_validate(value)
+        except ValidationError as exc:
+            raise TraceFileError(f"line {line_no}: {_first_error(exc)}") from None
+        _check_references(record, line_no)
+        if record.episode.id in seen:
+            raise TraceFileError(f"line {line_no}: episode {record.episode.id} appears twice in the file")
+        seen.add(record.episode.id)
+        records.append(record)
+    if not records:
+        raise TraceFileError("the file holds no episodes")
+    return records
+
+
+def read_trace_file(path: str | os.PathLike[str], max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
+    """`parse_traces` on a file, refusing an oversized one before reading it."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceFileError("no such file")
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise TraceFileError(f"the file is {_size(size)}; the limit is {_size(max_bytes)}")
+    return parse_traces(p.read_bytes(), max_bytes)
+
+
+def import_records(store: Store, records: list[TraceRecord], skip_existing: bool = False) -> ImportResult:
+    """Write validated records in one transaction (StoreError, nothing written, on a clash or a lock)."""
+    items = [(r.episode, [(a.step, a.branch, a.to_annotation()) for a in r.annotations]) for r in records]
+    imported, skipped = store.import_episodes(items, skip_existing=skip_existing)
+    n = sum(len(r.annotations) for r in records if r.episode.id in set(imported))
+    return ImportResult(imported, skipped, n)
+
+
+__all__ = ["FORMAT", "ImportResult", "MAX_IMPORT_BYTES", "MAX_LINE_BYTES", "TraceAnnotation", "TraceFileError",
+           "TraceRecord", "export_episodes", "import_records", "parse_traces", "read_trace_file"]
