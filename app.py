@@ -58,9 +58,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     install_nodeps()
     from app.ui import build_demo
+    from app.ui import constants as C
 
     # Spaces set GRADIO_SERVER_NAME/PORT; the database defaults to /data (persistent storage) when present.
-    build_demo().launch()
+    build_demo().launch(max_file_size=f"{C.MAX_IMPORT_MB}mb")
 
 
 if __name__ == "__main__":

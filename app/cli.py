@@ -223,9 +223,11 @@ def _is_model_failure(exc: BaseException) -> bool:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from app.ui import build_demo
+    from app.ui import constants as C
 
     demo = build_demo(db_path=args.db or default_db_path())
-    demo.queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port)
+    demo.queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port,
+                                                   max_file_size=f"{C.MAX_IMPORT_MB}mb")
     return 0
 
 

@@ -176,6 +176,48 @@ def test_traces_list_open_replay_and_compare(app):
     assert "ea-first-diff" in html or "same actions" in html
 
 
+def test_traces_export_then_import_and_bad_files(app, tmp_path, monkeypatch):
+    import json
+
+    from gradio_client import handle_file
+
+    c = client(app)
+    status = c.predict(**form(task="mock:kv", mode="parallel", branches=2), api_name="/run_turn")[1]
+    episode_id = status.split("`")[1]
+    c.predict(**form(), api_name="/reset")
+    table = c.predict(task="mock:kv", env_class=C.ALL, mode="parallel", since="", until="",
+                      api_name="/list_episodes")[0]
+    listed = [row[0] for row in table["data"]]
+    assert episode_id in listed
+    download, message = c.predict({"headers": table["headers"], "data": [table["data"][listed.index(episode_id)]]},
+                                  api_name="/export_episodes")
+    assert "Exported 1 episode(s)." in message
+    lines = open(download, encoding="utf-8").read().splitlines()
+    assert [json.loads(line)["episode"]["id"] for line in lines] == [episode_id]
+
+    before = counts(app)
+    message = c.predict(handle_file(download), False, api_name="/import_episodes")
+    assert f"Nothing was imported: episode {episode_id} is already in" in message and counts(app) == before
+    message = c.predict(handle_file(download), True, api_name="/import_episodes")
+    assert "Imported 0 episode(s) with 0 annotation(s); 1 already here were skipped." in message
+
+    record = json.loads(lines[0])
+    record["episode"]["id"] = "copied-episode"
+    good = tmp_path / "copy.jsonl"
+    good.write_text(json.dumps(record) + "\n")
+    assert "Imported 1 episode(s)" in c.predict(handle_file(str(good)), False, api_name="/import_episodes")
+    assert counts(app)["episodes"] == before["episodes"] + 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(record) + "\n{oops\n")
+    message = c.predict(handle_file(str(bad)), False, api_name="/import_episodes")
+    assert "Nothing was imported: line 2: not JSON" in message
+    monkeypatch.setattr(C, "MAX_IMPORT_MB", 0.001)  # about 1 KiB: the file above is larger
+    message = c.predict(handle_file(str(good)), True, api_name="/import_episodes")
+    assert "Nothing was imported: the file is" in message and "the limit is 1.02 KiB" in message
+    assert counts(app)["episodes"] == before["episodes"] + 1
+    assert "No episodes listed" in c.predict({"headers": ["id"], "data": []}, api_name="/export_episodes")[1]
+
+
 def test_annotate_validates_then_saves(app):
     c = client(app)
     c.predict(**form(task="mock:kv"), api_name="/step")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from app.config import DEFAULT_MODEL, DEFAULT_TASK
 from app.records import LABELS, MODES, REHEARSAL_CONTEXTS, SELECTORS
+from app.trace_io import MAX_IMPORT_BYTES
 
 __all__ = ["LABELS", "MODES", "REHEARSAL_CONTEXTS", "SELECTORS", "DEFAULT_MODEL", "DEFAULT_TASK"]
 
@@ -52,6 +53,9 @@ FT_POLL_S = 0.5
 
 # Buttons (their visible names are what the browser test clicks).
 STEP, RUN_TURN, RUN_ALL, STOP, RESET = "Step", "Run turn", "Run to end", "Stop", "Reset"
+IMPORT, EXPORT_LISTED = "Import", "Export the listed episodes"
+MAX_IMPORT_MB = MAX_IMPORT_BYTES // 2**20
+"""Largest episodes file the Traces tab imports (also Gradio's upload limit in `serve` and app.py)."""
 SAVE_NEXT, PREV, NEXT = "Save & next", "◀ Prev", "Next ▶"
 FT_PREVIEW, FT_RUN = "Preview data", "Fine-tune"
 
@@ -70,4 +74,6 @@ ID_ANN_CODE = "ann-corrected-predicted"
 ID_TRACES_STATUS = "traces-status"
 ID_TRACES_TABLE = "traces-table"
 ID_TRACES_CARDS = "traces-cards"
+ID_TRACES_UPLOAD = "traces-upload"
+ID_TRACES_IO_MESSAGE = "traces-io-message"
 ID_FT_MESSAGE = "ft-message"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -9,6 +11,7 @@ import gradio as gr
 from app.inspect_service import INSTRUCTION_PREFIX, InputError, Services, first_difference, task_turns
 from app.records import Episode
 from app.store import StoreError
+from app.trace_io import TraceFileError, export_episodes, import_records, read_trace_file
 from app.ui import constants as C
 from app.ui import render
 from app.ui.run_callbacks import message_html
@@ -98,3 +101,30 @@ class TracesCallbacks:
         except InputError as exc:
             return message_html(str(exc), "error")
         return render.comparison(a, b, first_difference(a, b))
+
+    def import_file(self, path: str | None, skip_existing: bool) -> str:
+        """Validate the whole uploaded file, then write it in one transaction (or nothing)."""
+        if not path:
+            return message_html("Choose a .jsonl file written by Export (or `python -m app export --format episodes`).",
+                                "error")
+        try:
+            records = read_trace_file(path, int(C.MAX_IMPORT_MB * 2**20))
+            result = import_records(self.services.store, records, skip_existing=bool(skip_existing))
+        except (TraceFileError, StoreError) as exc:
+            return message_html(f"Nothing was imported: {exc}", "error")
+        skipped = f"; {len(result.skipped)} already here were skipped" if result.skipped else ""
+        return message_html(f"Imported {len(result.imported)} episode(s) with {result.annotations} "
+                            f"annotation(s){skipped}.")
+
+    def export_listed(self, table: Any) -> tuple[Any, str]:
+        """The episodes listed in the table (with their annotations) as one JSONL file to download."""
+        values = table.values.tolist() if hasattr(table, "values") else (table or [])
+        ids = [row[0] for row in values if row and row[0]]
+        if not ids:
+            return None, message_html("No episodes listed: search first, then export.", "error")
+        out = Path(tempfile.mkdtemp(prefix="envace-export-")) / "episodes.jsonl"
+        try:
+            n = export_episodes(self.services.store, out, reversed(ids))  # oldest first, as the CLI writes
+        except StoreError as exc:
+            return None, message_html(str(exc), "error")
+        return str(out), message_html(f"Exported {n} episode(s).")

@@ -44,6 +44,17 @@ def build_traces_tab(services: Services, tab: gr.Tab) -> None:
             right = gr.Dropdown([], label="Episode B", allow_custom_value=True)
             compare_btn = gr.Button("Compare")
         comparison = gr.HTML("", css_template=VIEW_CSS)
+    with gr.Accordion("Import / export episodes (JSONL)", open=False):
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                upload = gr.File(label=f"Episodes file to import (.jsonl, at most {C.MAX_IMPORT_MB} MiB)",
+                                 file_types=[".jsonl"], type="filepath", elem_id=C.ID_TRACES_UPLOAD)
+                skip_existing = gr.Checkbox(False, label="Skip episodes already in the database")
+                import_btn = gr.Button(C.IMPORT)
+            with gr.Column():
+                export_btn = gr.Button(C.EXPORT_LISTED)
+                download = gr.File(label="Exported episodes", interactive=False)
+        io_message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_TRACES_IO_MESSAGE)
 
     filters = [task, env_class, mode, model, adapter, success, since, until]
     listed = refresh.click(cb.list_episodes, filters, [table, message, episode_id], api_name="list_episodes")
@@ -57,3 +68,6 @@ def build_traces_tab(services: Services, tab: gr.Tab) -> None:
         api_visibility="private")
     step_picker.change(cb.show_step, [opened, step_picker], [chat, cards, state_view], api_name="replay_step")
     compare_btn.click(cb.compare, [left, right], comparison, api_name="compare_episodes")
+    import_btn.click(cb.import_file, [upload, skip_existing], io_message, api_name="import_episodes").then(
+        cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
+    export_btn.click(cb.export_listed, table, [download, io_message], api_name="export_episodes")
