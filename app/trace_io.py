@@ -16,11 +16,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Iterable, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from app.records import Annotation, Episode, Label
+from app.records import Annotation, Episode
 from app.store import Store
 
 FORMAT = "envace-episode/1"
@@ -34,25 +34,18 @@ class TraceFileError(ValueError):
     """A trace file that cannot be imported; the message names the line and the problem."""
 
 
-class TraceAnnotation(BaseModel):
+class TraceAnnotation(Annotation):
     """An annotation as it travels between databases: addressed by position, not by row id."""
 
+    branch_id: int = Field(0, exclude=True)
+    """Row ids differ between databases: not written; the import sets it."""
     step: int
     """Index of the annotated branch's step in the episode."""
     branch: int
     """Index of the annotated branch in its step."""
-    label: Label | None = None
-    corrected_action: str | None = None
-    corrected_predicted: Any = None
-    note: str = ""
-    annotator: str = ""
-    created_at: str | None = None
 
     def to_annotation(self) -> Annotation:
-        values = self.model_dump(exclude={"step", "branch"}, exclude_none=False)
-        if values["created_at"] is None:
-            values.pop("created_at")
-        return Annotation(branch_id=0, **values)
+        return Annotation(branch_id=0, **self.model_dump(exclude={"step", "branch"}))
 
 
 class TraceRecord(BaseModel):
