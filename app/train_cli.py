@@ -15,19 +15,24 @@ from app.config import default_db_path
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("train-agent", help="train the shipped agent adapter (~45 min on 2 cores)",
+    from app.agent_training import AgentTrainingConfig
+
+    d = AgentTrainingConfig()  # one set of defaults: the dataclass's
+    p = sub.add_parser("train-agent", help="train the shipped agent adapter (~55 min on 2 cores)",
                        description="Expert traces of the BFCL multi_turn_base training split -> joint "
                                    "Act+Rehearse LoRA training -> one reward-filtered self-training round "
                                    "-> adapter and model card in fixtures/adapters/.")
     p.add_argument("--out", default=None, help="adapter directory (default: the shipped fixtures path)")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and training")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for sampling and training")
     p.add_argument("--train-tasks", type=int, default=None, help="use only the first N training tasks")
-    p.add_argument("--round1-minutes", type=float, default=20.0, help="time budget of expert training")
-    p.add_argument("--rollout-minutes", type=float, default=7.0, help="time budget of self-training rollouts")
-    p.add_argument("--round2-minutes", type=float, default=6.0, help="time budget of self-training")
-    p.add_argument("--eval-tasks", type=int, default=6, help="held-out tasks for the base-vs-adapter table (0: skip)")
-    p.add_argument("--eval-turns", type=int, default=2, help="turns rolled out per held-out task")
-    p.add_argument("--eval-minutes", type=float, default=8.0,
+    p.add_argument("--round1-minutes", type=float, default=d.round1_minutes, help="time budget of expert training")
+    p.add_argument("--rollout-minutes", type=float, default=d.rollout_minutes,
+                   help="time budget of self-training rollouts")
+    p.add_argument("--round2-minutes", type=float, default=d.round2_minutes, help="time budget of self-training")
+    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
+                   help="held-out tasks for the base-vs-adapter table (0: skip)")
+    p.add_argument("--eval-turns", type=int, default=d.eval_turns, help="turns rolled out per held-out task")
+    p.add_argument("--eval-minutes", type=float, default=d.eval_minutes,
                    help="wall-time cap of each model's held-out episodes (0: none, every task runs)")
     p.add_argument("--evaluate", metavar="ADAPTER", default=None,
                    help="train nothing: add the held-out base-vs-adapter table to this train-agent adapter's card")
