@@ -308,6 +308,16 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _rollout_line(card: dict[str, Any]) -> str:
+    extra = card["rounds"][-1].get("extra", {}) if card.get("rounds") else {}
+    r = extra.get("rollout")
+    if not r:
+        return ""
+    passed = round((r.get("turn_success") or 0) * r["turns"])
+    return (f" The rollouts passed {passed} of {r['turns']} turns, with call accuracy {_fmt(r.get('call_accuracy'))} "
+            f"over {r['steps']} steps.")
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     cfg, data = card["config"], card["data"]
     lines = [
@@ -324,7 +334,7 @@ def card_markdown(card: dict[str, Any]) -> str:
         "sampled at random (all of them would triple the round's time).",
         f"- Self-training: parallel-rehearsal rollouts (K=2, logprob selector) on {len(data['self_training_episodes'])} "
         "training tasks; Act rows kept only from turns that pass the BFCL state/response check, Rehearse rows from "
-        "every real response.", "",
+        "every real response." + _rollout_line(card), "",
         "## Training",
         f"- LoRA r={cfg['rank']}, alpha={2 * cfg['rank']}, all linear layers, lr {cfg['lr']} (warmup, cosine to 10%), seed {cfg['seed']}.",
         f"- Sequence length: single rows over {cfg['max_seq_len']} tokens dropped (never truncated); the Act rows of "
