@@ -13,7 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py"]
+SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
+           "bench_adapter.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -69,6 +70,12 @@ def table() -> str:
             where = (f" (server {fmt(r['mean_server_s'], ' s')}, network {fmt(r['mean_network_s'], ' s')}, "
                      f"client {fmt(r['mean_client_s'], ' s')})") if "mean_server_s" in r else ""
             rows.append(f"| {label} | {fmt(r['mean_s'], ' s')}{where} | |")
+    ad = load("adapter").get("results", {})
+    for k in ("1", "4"):
+        if f"adapter_k{k}_tok_s" in ad:
+            rows.append(f"| act with the shipped adapter, K={k}: tokens/s as loaded / merged (base) | "
+                        f"{fmt(ad[f'adapter_k{k}_tok_s'])} / {fmt(ad[f'merged_k{k}_tok_s'])} "
+                        f"({fmt(ad[f'base_k{k}_tok_s'])}) | |")
     return "\n".join(rows)
 
 

@@ -92,3 +92,23 @@ def test_the_adapter_calls_real_tools_where_the_base_writes_prose(models) -> Non
         calls[name] = sum(kinds)
     print(f"first steps of {len(firsts)} held-out tasks with a call to a real tool: {calls}")
     assert calls["base"] == 0 and calls["adapter"] >= len(firsts) // 2
+
+
+@pytest.mark.slow
+def test_inference_policies_merge_the_adapter_and_say_the_same(models) -> None:
+    import model_backend
+    from model_backend.base import GenerationConfig
+    from model_backend.policy import TransformersPolicy
+
+    _, adapter = models
+    merged = model_backend.load_policy("embedded", adapter=SHIPPED_ADAPTER)
+    assert merged.loaded.adapter == str(SHIPPED_ADAPTER)
+    assert not any("lora" in name for name, _ in merged.loaded.model.named_modules())
+    assert any("lora" in name for name, _ in adapter.model.named_modules())
+    tok = adapter.tokenizer
+    ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)), 8192)
+    rows, _ = expert_rows(HELDOUT[:1], ctx)
+    config = GenerationConfig(max_new_tokens=40, temperature=0.0, stop=("</tool_call>",))
+    for row in [r for r in rows if r.role == "act"][:3]:
+        assert merged.act(row.prompt, 1, config)[0].text == TransformersPolicy(adapter).act(row.prompt, 1, config)[0].text
+    assert SHIPPED_ADAPTER.joinpath("adapter_model.safetensors").stat().st_size > 1_000_000  # untouched on disk
