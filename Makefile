@@ -36,7 +36,7 @@ train-agent: setup
 	$(PYTHON) -m app train-agent
 
 # The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
-# First 12 held-out tasks, first 2 turns, at most 4 steps a turn: about 15 minutes on 2 cores.
+# First 12 held-out tasks, first 2 turns, at most 4 steps a turn: about 13 minutes on 2 cores.
 EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4
 eval: setup
 	$(PYTHON) -m app eval --tasks bfcl:multi_turn_base --split heldout --modes none,parallel,sequential \
