@@ -173,17 +173,14 @@ class Store:
                             skipped.append(ep.id)
                             continue
                         raise StoreError(f"episode {ep.id} is already in {self.path}; nothing was imported "
-                                         "(skip it with --skip-existing)")
+                                         "(skip the episodes already present to import the rest)")
                     self.db["episodes"].insert(self._episode_row(ep))
                     for step in ep.steps:
                         self._insert_step(ep.id, step)
                     ids = {(r["step_idx"], r["idx"]): r["id"] for r in self.db.query(
                         "select id, step_idx, idx from branches where episode_id = ?", [ep.id])}
-                    for step_index, branch_index, ann in annotations:
-                        row = ann.model_dump()
-                        row.update(branch_id=ids[(step_index, branch_index)],
-                                   corrected_predicted=_json(row["corrected_predicted"]))
-                        self.db["annotations"].insert(row)
+                    self.db["annotations"].insert_all(self._annotation_row(ann, ids[(step_index, branch_index)])
+                                                      for step_index, branch_index, ann in annotations)
                     imported.append(ep.id)
             return imported, skipped
         return self._guard(write)
@@ -220,9 +217,16 @@ class Store:
             row[name] = int(value) if isinstance(value, bool) else value
         return row
 
-    def add_annotation(self, annotation: Annotation) -> int:
+    @staticmethod
+    def _annotation_row(annotation: Annotation, branch_id: int | None = None) -> dict[str, Any]:
         row = annotation.model_dump()
         row["corrected_predicted"] = _json(row["corrected_predicted"])
+        if branch_id is not None:
+            row["branch_id"] = branch_id
+        return row
+
+    def add_annotation(self, annotation: Annotation) -> int:
+        row = self._annotation_row(annotation)
 
         def write() -> int:
             with self.db.atomic():

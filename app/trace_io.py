@@ -71,14 +71,17 @@ def export_episodes(store: Store, out: str | os.PathLike[str], episode_ids: Iter
     ids = list(episode_ids) if episode_ids is not None else [r["id"] for r in reversed(store.list_episodes())]
     path = Path(out)
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for episode_id in ids:
-            ep = store.get_episode(episode_id)
-            annotations = [TraceAnnotation(step=s, branch=b, **a.model_dump(exclude={"branch_id"}))
-                           for s, b, a in store.annotations_by_position(episode_id)]
-            record = TraceRecord(format=FORMAT, episode=ep, annotations=annotations)
-            f.write(json.dumps(record.model_dump(mode="json"), ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            for episode_id in ids:
+                ep = store.get_episode(episode_id)
+                annotations = [TraceAnnotation(step=s, branch=b, **a.model_dump(exclude={"branch_id"}))
+                               for s, b, a in store.annotations_by_position(episode_id)]
+                record = TraceRecord(format=FORMAT, episode=ep, annotations=annotations)
+                f.write(json.dumps(record.model_dump(mode="json"), ensure_ascii=False) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # an unknown id or a full disk leaves no half-written file
     return len(ids)
 
 
@@ -165,7 +168,8 @@ def import_records(store: Store, records: list[TraceRecord], skip_existing: bool
     """Write validated records in one transaction (StoreError, nothing written, on a clash or a lock)."""
     items = [(r.episode, [(a.step, a.branch, a.to_annotation()) for a in r.annotations]) for r in records]
     imported, skipped = store.import_episodes(items, skip_existing=skip_existing)
-    n = sum(len(r.annotations) for r in records if r.episode.id in set(imported))
+    landed = set(imported)
+    n = sum(len(r.annotations) for r in records if r.episode.id in landed)
     return ImportResult(imported, skipped, n)
 
 

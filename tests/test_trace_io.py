@@ -151,3 +151,5 @@ def test_cli_export_then_import(exported, tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().out.strip() == f"imported 1 episodes with 1 annotations into {tmp_path / 'new.db'}"
     assert main(["export", "--format", "episodes", "--db", src.path, "--out", str(out), "--episodes", "nope"]) == 2
     assert "no episode with id nope" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob(".*.tmp")) == []  # the failed export left no partial file
+    assert json.loads(out.read_text())["format"] == FORMAT  # and the earlier export is still there
