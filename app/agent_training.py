@@ -1,6 +1,6 @@
 """The shipped agent: expert rows -> joint training -> reward-filtered self-training -> adapter.
 
-`train_agent()` is what `python -m app train-agent` runs (about 55 minutes on 2 cores, the held-out table included):
+`train_agent()` is what `python -m app train-agent` runs (about 35 minutes on 2 cores, its 8-task held-out table included):
 1. expert traces: the ground-truth calls of the BFCL `multi_turn_base` training split,
    executed in the real classes (Act targets: the calls; Rehearse targets: real responses);
 2. joint LoRA training on them;
@@ -43,8 +43,8 @@ def default_adapter_path() -> Path | None:
 
 @dataclass
 class AgentTrainingConfig:
-    """What `train-agent` does; the defaults built the shipped adapter in about 55 minutes on 2 idle cores
-    (30 of training and rollouts, the rest the held-out base-vs-adapter table)."""
+    """What `train-agent` does; the defaults built the shipped adapter in 35 minutes on 2 idle cores
+    (29.7 of training and rollouts, the rest the 8-task held-out base-vs-adapter table)."""
 
     out: Path = SHIPPED_ADAPTER
     spec: str = "embedded"

@@ -18,7 +18,7 @@ def register(sub: Any) -> None:
     from app.agent_training import AgentTrainingConfig
 
     d = AgentTrainingConfig()  # one set of defaults: the dataclass's
-    p = sub.add_parser("train-agent", help="train the shipped agent adapter (~55 min on 2 cores)",
+    p = sub.add_parser("train-agent", help="train the shipped agent adapter (~35 min on 2 cores)",
                        description="Expert traces of the BFCL multi_turn_base training split -> joint "
                                    "Act+Rehearse LoRA training -> one reward-filtered self-training round "
                                    "-> adapter and model card in fixtures/adapters/.")

@@ -2,8 +2,9 @@
 
 One real held-out Act prompt (the engine's own rendering), K=1 greedy and K=4 (greedy plus
 3 sampled), up to a fixed number of new tokens (no stop strings); figures are tokens/s of
-the whole call (prefill included), since the variants stop at different lengths. Merged means `merge_and_unload()` on a separate copy: the same function in
-one set of weights, which shows what the adapter's extra matmuls cost.
+the whole call (prefill included), since the variants stop at different lengths. Merged
+is `load_model(..., merge_adapter=True)`, as inference policies load it: the same function
+in one set of weights, which shows what the adapter's extra matmuls cost.
 
 Writes bench/results/adapter.json. Run: `.venv/bin/python bench/bench_adapter.py [--quick]`.
 """
@@ -26,7 +27,6 @@ from app import envs  # noqa: E402
 from app.config import SHIPPED_ADAPTER  # noqa: E402
 from app.training_data import PromptContext, expert_rows  # noqa: E402
 from model_backend import GenerationConfig, TransformersPolicy, load_model  # noqa: E402
-from model_backend.loading import LoadedModel  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "adapter.json"
 
@@ -58,9 +58,7 @@ def main() -> None:
     prompt_tokens = ctx.count_tokens("\n".join(m["content"] for m in prompt.messages))
 
     adapter = load_model("embedded", adapter=SHIPPED_ADAPTER)
-    merged_model = load_model("embedded", adapter=SHIPPED_ADAPTER).model.merge_and_unload()
-    merged = LoadedModel(merged_model, tok, "embedded", adapter.device, adapter.dtype, 0.0, False,
-                         adapter=f"{SHIPPED_ADAPTER} (merged)")
+    merged = load_model("embedded", adapter=SHIPPED_ADAPTER, merge_adapter=True)  # what load_policy uses
     results: dict[str, Any] = {}
     outputs: dict[str, dict[int, list[str]]] = {}
     for name, loaded in (("base", base), ("adapter", adapter), ("merged", merged)):
