@@ -108,7 +108,8 @@ def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int
     return runner.episode
 
 
-def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: int = 8) -> dict[str, Any]:
+def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: int = 8,
+                     constrain: bool = True) -> dict[str, Any]:
     """Rehearsal fidelity on the expert traces of `task_ids` (every model sees the same calls and history)."""
     from model_backend.base import GenerationConfig
 
@@ -118,7 +119,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: in
         for view in replay(expert_episode(task), task):
             b = view.step.chosen_branch
             if b.kind == "call" and b.call is not None and len(prompts) < max_calls:
-                prompts.append(rehearse_row_prompt(view, b.call))
+                prompts.append(rehearse_row_prompt(view, b.call, constrain=constrain))
                 actuals.append(b.actual)
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
     metrics = []
@@ -150,7 +151,7 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
             break
         episodes.append(run_episode(task_id, policy, settings, max_turns, deadline))
     report = episode_metrics(episodes)
-    report["forced"] = forced_rehearsal(policy, task_ids, forced_calls)
+    report["forced"] = forced_rehearsal(policy, task_ids, forced_calls, constrain=settings.constrain)
     report["tasks"] = [e.task_id for e in episodes]
     report["max_turns"] = max_turns
     report["seconds"] = round(time.perf_counter() - started, 1)

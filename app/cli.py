@@ -27,11 +27,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
     p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
-    p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen read-only calls")
+    p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
     p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
                    help="what the Rehearse role sees besides the call")
     p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
                    help="`required` makes every step a tool call")
+    p.add_argument("--constrain", choices=("on", "off"), default="on",
+                   help="schema-constrained Act and Rehearse decoding (local models): `off` decodes freely")
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
     p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
     p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
@@ -142,7 +144,8 @@ def settings_from_args(args: argparse.Namespace):
         return RunSettings(mode=args.mode, branches=1 if args.mode == "none" else args.branches,
                            selector=args.selector, seed=args.seed, temperature=args.temperature,
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
-                           tool_choice=args.tool_choice, max_steps_per_turn=args.max_steps,
+                           tool_choice=args.tool_choice, constrain=args.constrain == "on",
+                           max_steps_per_turn=args.max_steps,
                            max_action_tokens=args.max_action_tokens,
                            max_rehearsal_tokens=args.max_rehearsal_tokens)
     except ValidationError as exc:

@@ -53,6 +53,8 @@ class EvalConfig:
     rehearsal_context: str = "history"
     tool_choice: str = "auto"
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
+    constrain: bool = True
+    """Schema-constrained Act and Rehearse decoding (RunSettings.constrain)."""
     max_steps_per_turn: int | None = None
     max_turns: int | None = None
     """Judge only the first N user turns of each task (None: all); cuts CPU time on long tasks."""
@@ -65,6 +67,7 @@ class EvalConfig:
         """Row key -> RunSettings, in table order (validates like the CLI's `run`)."""
         base = dict(seed=self.seed, temperature=self.temperature, selector=self.selector, shadow=self.shadow,
                     rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice,
+                    constrain=self.constrain,
                     max_steps_per_turn=self.max_steps_per_turn,
                     max_action_tokens=self.max_action_tokens, max_rehearsal_tokens=self.max_rehearsal_tokens)
         rows = {mode: RunSettings(mode=mode, branches=1 if mode == "none" else self.branches, **base)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Literal
 
 from app.envs.base import Tool
 from app.records import Call
-from model_backend.base import Prompt
+from model_backend.base import Constraint, Prompt
 
 CountTokens = Callable[[str], int]
 
@@ -108,6 +108,89 @@ def render_tools(tools: Iterable[Tool], count_tokens: CountTokens, budget: int =
     return rendered
 
 
+# ---------------------------------------------------------------- constraints
+
+_ENUM_NOTE = re.compile(r"\[Enum\]:\s*(\[[^\]]*\])")
+ERROR_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"error": {"type": "string"}},
+                                "required": ["error"], "additionalProperties": False}
+
+
+def grammar_schema(schema: dict[str, Any], closed: bool) -> dict[str, Any]:
+    """A tool's JSON schema cut to what a grammar needs: types, properties (in order), required,
+    items and enums (BFCL writes them in descriptions as `[Enum]: [...]`); text dropped.
+    `closed`: objects allow no property beyond the listed ones (arguments; the validator
+    rejects unknown ones), else extra keys stay allowed (response docs are incomplete)."""
+    out: dict[str, Any] = {}
+    kind = schema.get("type")
+    if kind is not None:
+        out["type"] = kind
+    enum = schema.get("enum")
+    note = _ENUM_NOTE.search(str(schema.get("description", "")))
+    if enum is None and note:
+        try:
+            enum = json.loads(note.group(1))
+        except json.JSONDecodeError:
+            enum = None
+    if isinstance(schema.get("items"), dict):
+        out["items"] = grammar_schema(schema["items"], closed)
+    if isinstance(enum, list) and enum and all(isinstance(v, (str, int, float, bool)) for v in enum):
+        if kind == "array" and "items" in out:
+            out["items"].setdefault("enum", enum)  # "the list of doors ... [Enum]: [...]": the items' values
+        else:
+            out["enum"] = enum
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        out["properties"] = {name: grammar_schema(sub if isinstance(sub, dict) else {}, closed)
+                             for name, sub in props.items()}
+        required = [r for r in schema.get("required", []) or [] if r in props]
+        if required:
+            out["required"] = required
+    if kind == "object" and closed:
+        out["additionalProperties"] = False
+    return out
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """`{"name": <this tool>, "arguments": <its parameters>}`, in the order `call_text` writes them."""
+    args = grammar_schema(tool.parameters or {"type": "object"}, closed=True)
+    args.setdefault("type", "object")
+    args.setdefault("properties", {})
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": args},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def in_schema_order(arguments: dict[str, Any], tool: Tool | None) -> dict[str, Any]:
+    """`arguments` with the tool's documented parameters first, in their documented order: the
+    order the constrained Act writes them in (JSON grammars fix key order), so training targets agree."""
+    if tool is None:
+        return dict(arguments)
+    order = list((tool.parameters or {}).get("properties", {}) or {})
+    known = {k: arguments[k] for k in order if k in arguments}
+    return {**known, **{k: v for k, v in arguments.items() if k not in known}}
+
+
+def act_constraint(tools: list[Tool], prefill: str = "") -> Constraint | None:
+    """Exactly one schema-valid call of one of `tools`; without a `<tool_call>` prefill
+    (tool_choice auto), a plain-text answer instead is allowed too."""
+    if not tools:
+        return None
+    calls = [call_schema(t) for t in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    forced = prefill.endswith(TOOL_CALL_OPEN)
+    return Constraint(schema=schema, open="" if forced else TOOL_CALL_OPEN, close=TOOL_CALL_CLOSE,
+                      allow_text=not forced)
+
+
+def rehearse_constraint(tool: Tool | None) -> Constraint:
+    """The documented response, `{"error": string}`, or `null` (tools that return nothing);
+    any JSON for a tool without a response schema."""
+    if tool is None or not tool.response:
+        schema: dict[str, Any] = {}
+    else:
+        schema = {"anyOf": [grammar_schema(tool.response, closed=False), ERROR_SCHEMA, {"type": "null"}]}
+    return Constraint(schema=schema, close=RESULT_CLOSE)
+
+
 # ---------------------------------------------------------------- history
 
 
@@ -154,8 +237,10 @@ def fit_history(history: list[HistoryItem], fixed_tokens: int, count_tokens: Cou
 
 def act_prompt(tools: list[Tool], history: list[HistoryItem], count_tokens: CountTokens,
                context_window: int, reserve: int = 256, tool_budget: int = 1500,
-               memory: list[tuple[Call, Any]] | None = None, prefill: str = "") -> Prompt:
-    """The Act prompt: tools, the conversation so far, optionally a private rehearsal memory."""
+               memory: list[tuple[Call, Any]] | None = None, prefill: str = "",
+               constrain: bool = False) -> Prompt:
+    """The Act prompt: tools, the conversation so far, optionally a private rehearsal memory.
+    `constrain` attaches `act_constraint` (the prompt text is the same either way)."""
     system = ACT_SYSTEM.format(tools=render_tools(tools, count_tokens, tool_budget))
     memory_text = ""
     if memory:
@@ -167,7 +252,8 @@ def act_prompt(tools: list[Tool], history: list[HistoryItem], count_tokens: Coun
     messages = [{"role": "system", "content": system}, *history_messages(kept)]
     if memory_text:
         messages.append({"role": "user", "content": memory_text})
-    return Prompt(messages=messages, prefill=prefill)
+    return Prompt(messages=messages, prefill=prefill,
+                  constraint=act_constraint(tools, prefill) if constrain else None)
 
 
 # ---------------------------------------------------------------- Rehearse
@@ -185,8 +271,10 @@ def _trace_lines(history: list[HistoryItem], limit_chars: int = 200) -> list[str
 
 
 def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],
-                    state: dict[str, Any] | None = None, max_history: int = 10) -> Prompt:
-    """The Rehearse prompt: the episode's real calls and results, optionally the state, then the call."""
+                    state: dict[str, Any] | None = None, max_history: int = 10,
+                    constrain: bool = False) -> Prompt:
+    """The Rehearse prompt: the episode's real calls and results, optionally the state, then the call.
+    `constrain` attaches `rehearse_constraint` (the prompt text is the same either way)."""
     lines = _trace_lines(history)[-max_history:]
     shared = "Calls so far and their real results:\n" + ("\n".join(lines) if lines else "(none)")
     if state is not None:
@@ -202,6 +290,7 @@ def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],
         messages=[{"role": "system", "content": REHEARSE_SYSTEM},
                   {"role": "user", "content": shared + "\n\n" + question}],
         prefill=RESULT_OPEN,
+        constraint=rehearse_constraint(tool) if constrain else None,
     )
 
 

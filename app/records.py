@@ -71,6 +71,12 @@ class Branch(BaseModel):
     """The real response: from the committed call, or from shadow execution on a fork."""
     actual_source: ActualSource | None = None
     actual_error: bool | None = None
+    shadow_state_after: dict[str, Any] | None = None
+    """The fork's public state after the shadow call (writes included), to diff against the
+    step's `state_before`; None when the branch was not shadow-executed."""
+    not_executed: str | None = None
+    """Why a call branch has no actual response (not committed, not shadow-executed), e.g.
+    "shadow execution off"; None when it has one or is not a call."""
     scores: dict[str, float] = Field(default_factory=dict)
     """Selector scores, e.g. {"judge": 0.71} or {"logprob": -0.4}."""
     metrics: Metrics = Field(default_factory=Metrics)
@@ -123,10 +129,14 @@ class RunSettings(BaseModel):
     temperature: float = Field(0.8, ge=0.0, le=2.0)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     shadow: bool = True
-    """Shadow-execute non-chosen read-only branches on forks (inspection only)."""
+    """Shadow-execute non-chosen calls on forks (inspection only; only read-only calls where the
+    environment cannot fork)."""
     rehearsal_context: RehearsalContext = "history"
     tool_choice: Literal["auto", "required"] = "auto"
     """`required` prefills `<tool_call>` so every step calls a tool (as OpenAI's tool_choice)."""
+    constrain: bool = True
+    """Schema-constrained decoding (local models): an Act call names a tool of the step and
+    matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""
     max_steps_per_turn: int | None = Field(None, ge=1, le=64)
     """Overrides the task's budget when set."""
     max_action_tokens: int = Field(96, ge=8, le=1024)

@@ -22,6 +22,8 @@ BUSY_TIMEOUT_S = 5.0
 """How long a write waits for another writer before giving up (sqlite's busy handler retries)."""
 SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
 METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
+ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str}
+"""Branch columns newer than the first schema: added to an older database when it opens."""
 
 
 class StoreError(RuntimeError):
@@ -93,9 +95,13 @@ class Store:
             "sampled": int, "act_logprob": float, "predicted_text": str, "predicted": str,
             "actual": str, "actual_source": str, "actual_error": int, "scores": str,
             "json_valid": int, "exact": int, "field_f1": float, "error_agree": int,
-            "surprise": float, "chosen": int, "duplicates": int,
+            "surprise": float, "chosen": int, "duplicates": int, **ADDED_BRANCH_COLUMNS,
         }, pk="id", foreign_keys=[("step_id", "steps", "id"), ("episode_id", "episodes", "id")],
             if_not_exists=True)
+        have = db["branches"].columns_dict
+        for name, kind in ADDED_BRANCH_COLUMNS.items():
+            if name not in have:
+                db["branches"].add_column(name, kind)
         db["annotations"].create({
             "id": int, "branch_id": int, "label": str, "corrected_action": str,
             "corrected_predicted": str, "note": str, "annotator": str, "created_at": str,
@@ -211,6 +217,7 @@ class Store:
                "predicted_text": b.predicted_text, "predicted": _json(b.predicted),
                "actual": _json(b.actual), "actual_source": b.actual_source,
                "actual_error": None if b.actual_error is None else int(b.actual_error),
+               "shadow_state_after": _json(b.shadow_state_after), "not_executed": b.not_executed,
                "scores": _json(b.scores), "chosen": int(b.chosen), "duplicates": b.duplicates}
         for name in METRIC_COLUMNS:
             value = getattr(b.metrics, name)
@@ -359,14 +366,16 @@ class Store:
         return self._guard(lambda: [r["call_name"] for r in self.db.query(sql)])
 
     def get_branch(self, branch_id: int) -> tuple[dict[str, Any], Branch]:
-        """One branch by its row id: its row (with the episode's task and mode) and the record."""
-        sql = ("select b.*, e.task_id, e.mode, e.model, e.adapter from branches b "
-               "join episodes e on e.id = b.episode_id where b.id = ?")
+        """One branch by its row id: its row (with the episode's task and mode, and its step's
+        `state_before`, decoded, for the fork's diff) and the record."""
+        sql = ("select b.*, e.task_id, e.mode, e.model, e.adapter, s.state_before from branches b "
+               "join episodes e on e.id = b.episode_id join steps s on s.id = b.step_id where b.id = ?")
 
         def read() -> tuple[dict[str, Any], Branch]:
             rows = [dict(r) for r in self.db.query(sql, [branch_id])]
             if not rows:
                 raise StoreError(f"no branch with id {branch_id}")
+            rows[0]["state_before"] = _unjson(rows[0]["state_before"]) or {}
             return rows[0], _branch_from_row(rows[0])
         return self._guard(read)
 
@@ -410,6 +419,7 @@ def _branch_from_row(r: dict[str, Any]) -> Branch:
         predicted_text=r["predicted_text"], predicted=_unjson(r["predicted"]), actual=_unjson(r["actual"]),
         actual_source=r["actual_source"],
         actual_error=None if r["actual_error"] is None else bool(r["actual_error"]),
+        shadow_state_after=_unjson(r["shadow_state_after"]), not_executed=r["not_executed"],
         scores=_unjson(r["scores"]) or {}, metrics=Metrics(**metrics), chosen=bool(r["chosen"]),
         duplicates=r["duplicates"] or 0)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from app import envs
 from app.envs.base import Task, Tool
-from app.formats import (HistoryItem, act_prompt, call_text, parse_action, rehearse_prompt,
+from app.formats import (HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
                          rehearse_target)
 from app.records import Annotation, Branch, Call, Episode, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Prompt
@@ -62,7 +62,8 @@ def expert_episode(task: Task) -> Episode:
         executed = []
         for call_string in calls:
             name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
-            call = Call(name=name, arguments=args)
+            # The order the constrained Act writes (BFCL's strings sometimes list arguments otherwise).
+            call = Call(name=name, arguments=in_schema_order(args, _tool(env, name)))
             before = env.state()
             result = env.call(name, args)
             branch = Branch(index=0, action_text=call_text(call), kind="call", call=call,
@@ -82,6 +83,10 @@ def expert_episode(task: Task) -> Episode:
     ep.success = all(t.success for t in ep.turn_results)
     ep.external_calls = sum(s.external_calls for s in ep.steps)
     return ep
+
+
+def _tool(env: Any, name: str) -> Tool | None:
+    return next((t for t in env.tools() if t.name == name), None)
 
 
 # ---------------------------------------------------------------- replay
@@ -142,13 +147,14 @@ def act_row_prompt(view: StepView, ctx: PromptContext) -> Prompt:
     s = ctx.settings
     prefill = "<tool_call>" if s.tool_choice == "required" else ""
     return act_prompt(view.tools, view.history, ctx.count_tokens, ctx.context_window,
-                      reserve=s.max_action_tokens + 32, prefill=prefill)
+                      reserve=s.max_action_tokens + 32, prefill=prefill, constrain=s.constrain)
 
 
-def rehearse_row_prompt(view: StepView, call: Call, rehearsal_context: str = "history") -> Prompt:
+def rehearse_row_prompt(view: StepView, call: Call, rehearsal_context: str = "history",
+                        constrain: bool = False) -> Prompt:
     tools = {t.name: t for t in view.tools}
     state = view.step.state_before if rehearsal_context == "history+state" else None
-    return rehearse_prompt(tools.get(call.name), call, view.history, state)
+    return rehearse_prompt(tools.get(call.name), call, view.history, state, constrain=constrain)
 
 
 def act_target(branch: Branch, prefill: str = "") -> str | None:
@@ -190,7 +196,8 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
             continue
         for b in step.branches:
             if b.kind == "call" and b.call is not None and b.actual_source is not None:
-                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, b.call, episode.settings.rehearsal_context),
+                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, b.call, episode.settings.rehearsal_context,
+                                                                  episode.settings.constrain),
                                      rehearse_target(b.actual), source, f"{ref}/{b.index}"))
     return rows
 
@@ -212,7 +219,11 @@ def expert_rows(task_ids: Iterable[str], ctx: PromptContext) -> tuple[list[Train
 
 
 def self_training_rows(episodes: Iterable[Episode], ctx: PromptContext) -> list[TrainRow]:
-    """Reward-filtered rows: Act rows of turns that passed the judge; Rehearse rows of every real response."""
+    """Reward-filtered rows: Act rows of turns that passed the judge; Rehearse rows of every real response.
+
+    Real responses are the committed calls and every shadow execution on a fork (writes
+    included where the environment forks); each gets the Rehearse prompt of its step.
+    """
     rows: list[TrainRow] = []
     for ep in episodes:
         task = envs.load_task(ep.task_id)
@@ -275,7 +286,8 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
                     call = _corrected_action(ann, ann_id).call
                 if call is None:
                     raise CorrectionError(f"annotation {ann_id}: a corrected response needs a branch with a tool call")
-                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context),
+                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context,
+                                                                  episode.settings.constrain),
                                      rehearse_target(value), "correction", ref))
     return rows
 

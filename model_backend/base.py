@@ -5,7 +5,25 @@ Kept free of torch so that the CLI and UI import fast; backends implement `Polic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Constraint:
+    """What the generated part of a reply may be: `open + JSON + close`, or else plain text.
+
+    Backends that decode locally compile it into a grammar (model_backend/constrain.py);
+    others may ignore it. `schema` holds only JSON-schema features the grammar supports.
+    """
+
+    schema: dict[str, Any]
+    """JSON schema of the JSON body."""
+    open: str = ""
+    """Text before the JSON (empty when the prompt's prefill already wrote it)."""
+    close: str = ""
+    """Text after the JSON."""
+    allow_text: bool = False
+    """A plain-text reply is allowed instead (one that does not start like a call)."""
 
 
 @dataclass
@@ -16,6 +34,8 @@ class Prompt:
     """Chat messages (`role` in system/user/assistant/tool, `content`)."""
     prefill: str = ""
     """Text the assistant's reply is forced to start with (part of the reply, not generated)."""
+    constraint: Constraint | None = None
+    """What the generated text after the prefill may be (None: anything)."""
 
 
 @dataclass

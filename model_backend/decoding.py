@@ -14,6 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .constrain import mask_logits
+
 
 @dataclass
 class Row:
@@ -26,6 +28,8 @@ class Row:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    matcher: Any = None
+    """Grammar state (`constrain.RowMatcher`): only the tokens it allows are chosen. None: free."""
 
 
 @dataclass
@@ -216,8 +220,11 @@ def generate(
         logits = pre.logits[:, -1, :]
         ones = torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)
         for step in range(max_new_tokens):
+            # Log-probabilities stay the model's own (unmasked): scores compare texts, not grammars.
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            tokens = _choose(logits, rows, generators)
+            allowed = [None if done[i] or r.matcher is None else r.matcher.allowed(logits.shape[-1])
+                       for i, r in enumerate(rows)]
+            tokens = _choose(mask_logits(logits, allowed), rows, generators)
             token_lps = logprobs.gather(1, tokens[:, None]).squeeze(1)
             # One host sync per step for all rows.
             for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lps.tolist())):
@@ -225,10 +232,14 @@ def generate(
                     continue
                 out = outputs[i]
                 out.token_logprobs.append(lp)
+                matcher = rows[i].matcher
                 if tok in eos_ids:
                     done[i] = out.finished = True
                     continue
                 out.token_ids.append(tok)
+                if matcher is not None and not matcher.consume(tok):
+                    done[i] = True  # cannot happen with a sound mask; stop rather than write garbage
+                    continue
                 if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i]):
                     done[i] = out.finished = True
             if all(done) or step == max_new_tokens - 1:

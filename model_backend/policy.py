@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from .base import Generation, GenerationConfig, Prompt, derive_seed
+from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
 
@@ -64,6 +65,10 @@ class TransformersPolicy:
         with self._lock:
             return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id)
 
+    def _matcher(self, prompt: Prompt) -> Any:
+        """One grammar state per row (rows advance separately); None without a constraint."""
+        return matcher_for(self.tokenizer, prompt.constraint)
+
     @staticmethod
     def _to_generation(prefill: str, out: RowOutput, sampled: bool) -> Generation:
         return Generation(prefill + out.text, out.token_logprobs, out.finished, sampled)
@@ -73,9 +78,10 @@ class TransformersPolicy:
         if k < 1:
             return []
         ids = self.encode(prompt)
-        rows = [Row(ids, stop=config.stop)]
+        rows = [Row(ids, stop=config.stop, matcher=self._matcher(prompt))]
         rows += [
-            Row(ids, config.temperature, config.top_p, derive_seed(config.seed, i), config.stop) for i in range(1, k)
+            Row(ids, config.temperature, config.top_p, derive_seed(config.seed, i), config.stop, self._matcher(prompt))
+            for i in range(1, k)
         ]
         outs = self._generate(rows, config.max_new_tokens)
         return [self._to_generation(prompt.prefill, o, row.temperature > 0) for o, row in zip(outs, rows)]
@@ -84,7 +90,7 @@ class TransformersPolicy:
         """One greedy continuation per prompt, all in one batch."""
         if not prompts:
             return []
-        rows = [Row(self.encode(p), stop=config.stop) for p in prompts]
+        rows = [Row(self.encode(p), stop=config.stop, matcher=self._matcher(p)) for p in prompts]
         outs = self._generate(rows, config.max_new_tokens)
         return [self._to_generation(p.prefill, o, False) for p, o in zip(prompts, outs)]
 

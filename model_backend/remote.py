@@ -401,6 +401,11 @@ class OpenAIPolicy:
                   n: int = 1) -> list[Generation]:
         """One request; its choices as Generations (possibly fewer than `n`: the caller checks)."""
         self.check()
+        if prompt.constraint is not None and not getattr(self, "_said_unconstrained", False):
+            # Servers differ in how (and whether) they take a grammar; this backend decodes freely.
+            self._said_unconstrained = True
+            log.warning("%s: schema-constrained decoding applies to local models only; decoding unconstrained",
+                        self.name)
         path, body = self._body(prompt, config, temperature, seed, n)
         try:
             data = self._request("POST", path, body)

@@ -5,6 +5,7 @@ import pytest
 
 from app import envs
 from app.engine import EpisodeRunner, episode_json
+from app.engine.runner import NOT_EXECUTED_CANNOT_FORK, NOT_EXECUTED_SHADOW_OFF
 from app.records import RunSettings
 from app.store import Recorder, Store
 from scripted import ScriptedPolicy
@@ -41,14 +42,48 @@ def test_parallel_step_rehearses_all_branches_and_commits_one():
     assert chosen.scores["judge"] == pytest.approx(0.9)
 
 
-def test_shadow_execution_never_touches_the_episode_env():
-    r, _ = runner([[call("set", key="a", value=1), call("delete", key="size"), call("get", key="size")]],
-                  judge=lambda text: 0.9 if '"set"' in text else 0.1)
+def test_writes_run_on_their_own_fork_and_never_touch_the_episode_env():
+    r, _ = runner([[call("set", key="a", value=1), call("delete", key="size"), call("set", key="b", value=2),
+                    call("get", key="size")]], settings=RunSettings(mode="parallel", branches=4),
+                  judge=lambda text: 0.9 if '"a"' in text else 0.1)
+    step = r.step()
+    by_name = {(b.call.name, b.call.arguments.get("key")): b for b in step.branches}
+    delete, write_b, get = by_name[("delete", "size")], by_name[("set", "b")], by_name[("get", "size")]
+    assert delete.actual_source == "shadow" and delete.actual == {"deleted": "size"} and not delete.actual_error
+    assert delete.shadow_state_after == {"MockKV": {"store": {}}}  # its own fork of the pre-step state
+    assert write_b.shadow_state_after == {"MockKV": {"store": {"size": "L", "b": 2}}}  # not after `delete`
+    assert get.actual == {"value": "L"} and get.shadow_state_after == step.state_before
+    assert delete.metrics.json_valid is True and delete.not_executed is None
+    chosen = step.chosen_branch
+    assert chosen.call.arguments == {"key": "a", "value": 1} and chosen.shadow_state_after is None
+    assert r.env.state()["MockKV"]["store"] == {"size": "L", "a": 1} == step.state_after["MockKV"]["store"]
+    assert (step.external_calls, step.shadow_calls) == (1, 3)
+    assert (r.episode.external_calls, r.episode.shadow_calls) == (1, 3)
+
+
+def test_an_env_that_cannot_fork_shadows_read_only_calls_only():
+    task = envs.load_task("mock:kv")
+    env = envs.MockEnvironment(task.initial_config["MockKV"], forkable=False)
+    policy = ScriptedPolicy([[call("set", key="a", value=1), call("delete", key="size"), call("get", key="size")]],
+                            judge=lambda text: 0.9 if '"set"' in text else 0.1)
+    r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=3), env=env)
     step = r.step()
     by_name = {b.call.name: b for b in step.branches}
-    assert by_name["delete"].actual_source is None     # writes are never shadow-executed
-    assert by_name["get"].actual_source == "shadow"
+    assert by_name["delete"].actual_source is None and by_name["delete"].shadow_state_after is None
+    assert by_name["delete"].not_executed == NOT_EXECUTED_CANNOT_FORK
+    assert by_name["get"].actual_source == "shadow" and by_name["get"].actual == {"value": "L"}
+    assert (step.external_calls, step.shadow_calls) == (1, 1)
     assert r.env.state()["MockKV"]["store"] == {"size": "L", "a": 1}
+
+
+def test_shadow_off_says_so_on_every_non_chosen_call():
+    r, _ = runner([[call("set", key="a", value=1), call("get", key="size")]],
+                  settings=RunSettings(mode="parallel", branches=2, shadow=False),
+                  judge=lambda text: 0.9 if '"set"' in text else 0.1)
+    step = r.step()
+    other = step.branches[1 - step.chosen]
+    assert other.actual_source is None and other.not_executed == NOT_EXECUTED_SHADOW_OFF
+    assert step.shadow_calls == 0
 
 
 def test_predicted_error_is_penalised_and_judge_picks_best():

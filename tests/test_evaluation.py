@@ -101,8 +101,9 @@ def test_table_rows_follow_the_episodes(tmp_path):
     assert none["call_accuracy"] == 0.4 and par["call_accuracy"] == 0.6
     assert none["external_calls_per_task"] == 3 and par["external_calls_per_task"] == 3
     assert none["rehearsals_per_task"] == 0 and none["exact"] is None
-    # parallel: 3 + 2 + 1 rehearsed calls; shadow: list_keys at step 0, get at the delete step.
-    assert par["rehearsals_per_task"] == 6 and par["shadow_calls_per_task"] == 2
+    # parallel: 3 + 2 + 1 rehearsed calls; shadow: the red set and list_keys at step 0 (writes run
+    # on their own forks too), get at the delete step.
+    assert par["rehearsals_per_task"] == 6 and par["shadow_calls_per_task"] == 3
     # best-of-K executes every candidate call for real: 3 + 2 + 1, and rehearses nothing.
     assert best["external_calls_per_task"] == 6 and best["rehearsals_per_task"] == 0
     assert best["shadow_calls_per_task"] == 0 and best["fidelity_n"] == 0

@@ -3,7 +3,7 @@ import sqlite3
 import pytest
 
 from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step
-from app.store import Recorder, Store, StoreError, StoreLockedError
+from app.store import ADDED_BRANCH_COLUMNS, Recorder, Store, StoreError, StoreLockedError
 
 
 def make_episode(n_steps: int = 2) -> Episode:
@@ -15,6 +15,11 @@ def make_episode(n_steps: int = 2) -> Episode:
                    actual_source="committed", actual_error=False, chosen=True, scores={"judge": 0.9},
                    metrics=Metrics(json_valid=True, exact=True, field_f1=1.0, error_agree=True, surprise=0.25)),
             Branch(index=1, action_text="oops", kind="parse_error", parse_error="bad", sampled=True),
+            Branch(index=2, action_text="<tool_call>...", kind="call", call=Call(name="set", arguments={"key": "b"}),
+                   actual={"ok": True}, actual_source="shadow", actual_error=False, sampled=True,
+                   shadow_state_after={"a": i, "b": None}),
+            Branch(index=3, action_text="<tool_call>...", kind="call", call=Call(name="set", arguments={"key": "c"}),
+                   sampled=True, not_executed="shadow execution off"),
         ]
         ep.steps.append(Step(index=i, turn=0, branches=branches, chosen=0, kind="call",
                              state_before={"a": i}, state_after={"a": i + 1}, rehearsals=1, external_calls=1))
@@ -34,6 +39,34 @@ def test_round_trip_episode(tmp_path):
     rows = store.list_episodes(mode="parallel")
     assert [r["id"] for r in rows] == ["ep1"] and rows[0]["n_steps"] == 2
     assert store.list_episodes(mode="none") == []
+
+
+def test_a_database_from_before_the_shadow_columns_opens_and_gains_them(tmp_path):
+    path = tmp_path / "old.db"
+    store = Store(path)
+    ep = make_episode(1)
+    store.add_step(ep, ep.steps[0])
+    store.db["branches"].transform(drop=set(ADDED_BRANCH_COLUMNS))  # the schema before these columns
+    store.close()
+    conn = sqlite3.connect(path)
+    assert not set(ADDED_BRANCH_COLUMNS) & {c[1] for c in conn.execute("PRAGMA table_info(branches)")}
+    conn.close()
+    reopened = Store(path)
+    assert set(ADDED_BRANCH_COLUMNS) <= set(reopened.db["branches"].columns_dict)
+    old = reopened.get_episode("ep1").steps[0].branches
+    assert [(b.shadow_state_after, b.not_executed) for b in old] == [(None, None)] * 4
+    assert old[2].actual == {"ok": True} and old[2].actual_source == "shadow"
+    new = make_episode(2)
+    reopened.add_step(new, new.steps[1])
+    assert reopened.get_episode("ep1").steps[1].branches[2].shadow_state_after == {"a": 1, "b": None}
+
+
+def test_get_branch_carries_the_step_state_before(tmp_path):
+    store = Store(tmp_path / "t.db")
+    ep = make_episode(1)
+    store.add_step(ep, ep.steps[0])
+    row, branch = store.get_branch(store.branch_rows("ep1")[2]["id"])
+    assert row["state_before"] == {"a": 0} and branch.shadow_state_after == {"a": 0, "b": None}
 
 
 def test_step_write_is_atomic(tmp_path, monkeypatch):

@@ -67,6 +67,23 @@ def test_round_trip_keeps_every_branch_and_annotation(exported, tmp_path: Path) 
     assert dst.get_branch(ann.branch_id)[0]["episode_id"] == episode_id
 
 
+def test_a_shadow_write_and_its_fork_state_round_trip(tmp_path: Path) -> None:
+    src = Store(tmp_path / "src.db")
+    policy = ScriptedPolicy([[call("set", key="color", value="blue"), call("delete", key="size")]])
+    runner = EpisodeRunner(envs.load_task("mock:kv"), policy,
+                           RunSettings(mode="parallel", branches=2, selector="logprob"), on_step=Recorder(src))
+    runner.step()
+    out = tmp_path / "traces.jsonl"
+    export_episodes(src, out, [runner.episode.id])
+    line = json.loads(out.read_text())
+    assert line["episode"]["steps"][0]["branches"][1]["shadow_state_after"] == {"MockKV": {"store": {}}}
+    dst = Store(tmp_path / "dst.db")
+    import_records(dst, read_trace_file(out))
+    shadow = dst.get_episode(runner.episode.id).steps[0].branches[1]
+    assert shadow.actual_source == "shadow" and shadow.shadow_state_after == {"MockKV": {"store": {}}}
+    assert dst.get_episode(runner.episode.id).model_dump() == src.get_episode(runner.episode.id).model_dump()
+
+
 def test_an_episode_already_present_refuses_the_whole_file_unless_skipped(exported, tmp_path: Path) -> None:
     out, src, episode_id = exported
     dst = Store(tmp_path / "dst.db")

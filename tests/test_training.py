@@ -17,8 +17,9 @@ from app.engine import EpisodeRunner
 from app.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
+from app.formats import rehearse_target
 from app.training_data import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
-                               replay)
+                               replay, self_training_rows)
 from model_backend.training import TrainConfig, TrainingError, save_adapter
 from scripted import ScriptedPolicy
 
@@ -68,6 +69,27 @@ def test_replayed_prompts_equal_the_engine_prompts(settings: RunSettings) -> Non
         assert r.prompt in rehearsed or settings.mode == "none"
     if settings.tool_choice == "required":
         assert all(not r.target.startswith("<tool_call>") for r in rows if r.role == "act")
+
+
+def test_self_training_turns_a_shadow_write_into_a_rehearse_row() -> None:
+    # Two steps, so the shadow write's history is not empty: a read, then set (committed) vs delete (shadow).
+    script = [[call("list_keys")], [call("set", key="color", value="blue"), call("delete", key="size")]]
+    policy = ScriptedPolicy(script, predict=lambda text: {"ok": True})
+    runner = EpisodeRunner(envs.load_task("mock:kv"), policy,
+                           RunSettings(mode="parallel", branches=2, selector="logprob"))
+    runner.step()
+    step = runner.step()
+    committed, shadow = step.branches
+    assert committed.chosen and shadow.call.name == "delete" and shadow.actual_source == "shadow"
+    rows = self_training_rows([runner.episode], ctx_for(policy))
+    rehearse = {r.ref: r for r in rows if r.role == "rehearse"}
+    ep_id = runner.episode.id
+    row = rehearse[f"{ep_id}/1/1"]
+    assert row.source == "self" and row.target == rehearse_target({"deleted": "size"})
+    engine = policy.rehearse_calls[1][1]  # the prompt the engine rehearsed it with
+    assert (row.prompt.messages, row.prompt.prefill) == (engine.messages, engine.prefill)
+    # Built as for the committed call of that step: the same history, before the step.
+    assert row.prompt.messages[:-1] == rehearse[f"{ep_id}/1/0"].prompt.messages[:-1]
 
 
 def test_expert_episode_replays_ground_truth_and_ends_turns() -> None:

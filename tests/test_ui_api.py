@@ -72,7 +72,8 @@ def test_step_shows_branches_and_saves_the_step(app):
     assert "ea-msg-error" not in message
     assert cards.count('data-branch=') == 3 and cards.count("ea-committed") == 1
     assert "Predicted" in cards and "Actual · committed" in cards and "Actual · shadow" in cards
-    assert "Actual · none" in cards  # mkdir is a write: not shadow-executed
+    assert "Actual · none" not in cards  # mkdir is a write: it runs on its own fork too
+    assert "Fork state diff" in cards and "temp" in cards
     assert "Diff: predicted (-) vs actual (+)" in cards and "field_f1" in cards
     assert chat[0]["role"] == "user" and chat[1]["metadata"]["title"].startswith("🛠️ Step 0: ls")
     assert timeline["choices"] == [["0 · t1 · ls({})", 0]]

@@ -81,6 +81,7 @@ class BestOfKRunner(EpisodeRunner):
                 fork = self.env.fork()
                 result = fork.call(b.call.name, b.call.arguments)
                 b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
+                b.shadow_state_after = fork.state()
                 self._forks[b.index] = fork
         return 0  # nothing was predicted
 
@@ -93,6 +94,7 @@ class BestOfKRunner(EpisodeRunner):
         if branch.kind != "call":
             return super()._commit(branch) + executed
         on_fork = canonical_json(branch.actual)
+        branch.shadow_state_after = None  # committed: the step's own state_after shows its effect
         super()._commit(branch)
         if canonical_json(branch.actual) != on_fork:
             log.warning("%s: %s returned differently on its fork and for real", self.task.id, branch.call.name)

@@ -1,8 +1,9 @@
 """The episode loop: for each user turn, steps until the agent answers or the budget ends.
 
 A step: Act proposes K candidates -> each call is rehearsed (one batched pass) -> the
-selector scores them -> non-chosen read-only calls run on forks (shadow execution,
-inspection only) -> the chosen one is committed to the real environment -> divergence
+selector scores them -> every non-chosen call runs on its own fork of the pre-step state
+(shadow execution, inspection only; read-only calls only where the environment cannot
+fork) -> the chosen one is committed to the real environment -> divergence
 metrics for every branch that has both a prediction and an actual response.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from model_backend.base import Generation, GenerationConfig, Policy, Prompt, Rem
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[Episode, Step], None]
+NOT_EXECUTED_SHADOW_OFF = "shadow execution off"
+NOT_EXECUTED_CANNOT_FORK = "not a read-only call, and this environment cannot fork (its forks run read-only calls only)"
 
 
 def step_seed(seed: int, step_index: int, attempt: int = 0) -> int:
@@ -145,7 +148,8 @@ class EpisodeRunner:
     def _act_prompt(self, tools: list[Tool], memory: list[tuple[Any, Any]] | None = None) -> Prompt:
         prefill = TOOL_CALL_OPEN if self.settings.tool_choice == "required" else ""
         return act_prompt(tools, self.history, self.policy.count_tokens, self.policy.context_window,
-                          reserve=self.settings.max_action_tokens + 32, memory=memory, prefill=prefill)
+                          reserve=self.settings.max_action_tokens + 32, memory=memory, prefill=prefill,
+                          constrain=self.settings.constrain)
 
     def _act_config(self, index: int, attempt: int = 0) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=self.settings.max_action_tokens,
@@ -177,7 +181,8 @@ class EpisodeRunner:
             return 0
         # Rehearsal happens before the commit, so the pre-step state is the state to show.
         state = self._state_before if self.settings.rehearsal_context == "history+state" else None
-        prompts = [rehearse_prompt(tools.get(b.call.name), b.call, self.history, state) for b in todo]
+        prompts = [rehearse_prompt(tools.get(b.call.name), b.call, self.history, state,
+                                   constrain=self.settings.constrain) for b in todo]
         config = GenerationConfig(max_new_tokens=self.settings.max_rehearsal_tokens, temperature=0.0,
                                   seed=self.settings.seed, stop=REHEARSE_STOP)
         for branch, prompt, gen in zip(todo, prompts, self.policy.rehearse(prompts, config)):
@@ -220,7 +225,7 @@ class EpisodeRunner:
                 else:
                     chosen = selection.choose(branches, self.settings.selector)
         branches[chosen].chosen = True
-        shadow_calls = self._shadow(branches, chosen, tools) if self.settings.shadow else 0
+        shadow_calls = self._shadow(branches, chosen, tools)
         external = self._commit(branches[chosen])
         self._measure(branches)
         return Step(index=index, turn=self.turn, branches=branches, chosen=chosen,
@@ -285,16 +290,28 @@ class EpisodeRunner:
     # ------------------------------------------------------------ execution
 
     def _shadow(self, branches: list[Branch], chosen: int, tools: dict[str, Tool]) -> int:
-        """Run non-chosen read-only calls on forks of the pre-step state (inspection only)."""
+        """Run each non-chosen call on its own fork of the pre-step state (inspection only).
+
+        Runs before the commit, so a fork is the state the agent decided in. Writes run too
+        where the environment forks in memory (`forkable`); elsewhere only read-only tools.
+        The episode's environment is never called. Returns the shadow calls made.
+        """
+        forkable = bool(getattr(self.env, "forkable", False))
         count = 0
         for b in branches:
-            if b.index == chosen or b.kind != "call":
+            if b.index == chosen or b.kind != "call" or b.actual_source is not None:
                 continue
             tool = tools.get(b.call.name)
-            if tool is None or not tool.read_only:
+            if not self.settings.shadow:
+                b.not_executed = NOT_EXECUTED_SHADOW_OFF
                 continue
-            result = self.env.fork().call(b.call.name, b.call.arguments)
+            if not forkable and (tool is None or not tool.read_only):
+                b.not_executed = NOT_EXECUTED_CANNOT_FORK
+                continue
+            fork = self.env.fork()
+            result = fork.call(b.call.name, b.call.arguments)
             b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
+            b.shadow_state_after = fork.state()
             count += 1
         return count
 
@@ -337,4 +354,4 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-__all__ = ["EpisodeRunner", "step_seed", "canonical_json"]
+__all__ = ["EpisodeRunner", "NOT_EXECUTED_CANNOT_FORK", "NOT_EXECUTED_SHADOW_OFF", "step_seed", "canonical_json"]

@@ -44,6 +44,12 @@ class ToolResult:
 class Environment(Protocol):
     """A stateful set of tools. One instance per episode; `fork()` for shadow execution."""
 
+    forkable: bool
+    """True when `fork()` copies the whole state (in memory), so any call, writes included, may
+    run on a fork without touching this environment. False when a fork shares a real backend
+    (a remote API, a database): only read-only tools may run on it. An environment without
+    the attribute counts as False."""
+
     def tools(self) -> list[Tool]:
         """The tools the agent may call now."""
         ...

@@ -50,6 +50,9 @@ class BFCLEnvironment:
     neither listed nor callable. `all_tools=True` lifts both (the judge's gold replay).
     """
 
+    forkable = True
+    """The API instances live in memory: a fork is a deep copy, so writes may run on it."""
+
     def __init__(
         self,
         env_classes: Iterable[str],

@@ -55,9 +55,14 @@ def _validator(tool_name: str) -> jsonschema.Draft7Validator:
 
 
 class MockEnvironment:
-    """A key-value store behind the Environment protocol."""
+    """A key-value store behind the Environment protocol.
 
-    def __init__(self, initial_state: dict[str, Any] | None = None) -> None:
+    `forkable=False` makes it stand in for an environment whose forks share a real backend
+    (the engine then shadow-executes only read-only calls); its forks stay in-memory copies.
+    """
+
+    def __init__(self, initial_state: dict[str, Any] | None = None, *, forkable: bool = True) -> None:
+        self.forkable = forkable
         self.turn = 0
         self.store: dict[str, Any] = {}
         self.reset(initial_state)

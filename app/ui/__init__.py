@@ -24,8 +24,8 @@ __all__ = ["build_demo"]
 
 INTRO = f"""## {C.TITLE}
 Step a tool-using agent that **rehearses** its calls: each step proposes K candidate calls, the model
-predicts each call's response, a selector commits one to the real tools, and read-only alternatives run on
-forks. Compare predicted and actual responses, annotate divergences, track fidelity on the dashboard, and
+predicts each call's response, a selector commits one to the real tools, and the alternatives run on
+forks (writes included) to show their real response. Compare predicted and actual responses, annotate divergences, track fidelity on the dashboard, and
 fine-tune the agent on your corrections."""
 
 

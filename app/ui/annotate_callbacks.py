@@ -66,7 +66,7 @@ class AnnotateCallbacks:
                  + (f" · corrected action `{render.short(a['corrected_action'], 80)}`" if a["corrected_action"] else "")
                  + (f" · {a['note']}" if a["note"] else "") for a in existing]
         existing_md = ("**Earlier annotations**\n" + "\n".join(lines)) if lines else "_No annotation yet._"
-        return (message, header, '<div class="ea-cards">' + render.branch_card(branch) + "</div>", existing_md,
+        return (message, header, '<div class="ea-cards">' + render.branch_card(branch, row["state_before"]) + "</div>", existing_md,
                 None, "", "", "")
 
     def move(self, queue: ReviewQueue, delta: int) -> AnnotateView:

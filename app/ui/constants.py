@@ -31,6 +31,7 @@ UI_DEFAULTS = {
     "shadow": True,
     "rehearsal_context": "history",
     "tool_required": True,  # only without the shipped adapter: the bare base model never writes <tool_call>
+    "constrain": True,
     "max_action_tokens": 64,
     "max_rehearsal_tokens": 96,
 }

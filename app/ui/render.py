@@ -122,7 +122,26 @@ def metrics_html(b: Branch) -> str:
             f'field_f1 {f1} · error_agree {_flag(m.error_agree)} · surprise {surprise}</div>')
 
 
-def branch_card(b: Branch) -> str:
+def _not_executed(b: Branch) -> str:
+    """Why a call branch has no actual response, as recorded; older traces did not record it."""
+    if b.not_executed:
+        return f"not executed: {b.not_executed}"
+    return "not executed (not committed, and not shadow-executed when this trace was recorded)"
+
+
+def fork_diff(b: Branch, state_before: dict[str, Any] | None) -> str:
+    """The shadow fork's state changes against the step's state before, as a compact table."""
+    if b.actual_source != "shadow" or b.shadow_state_after is None or state_before is None:
+        return ""
+    rows = state_changes(state_before, b.shadow_state_after)
+    if not rows:
+        return '<div class="ea-fork-diff ea-dim">Fork state: no change.</div>'
+    return (f'<details class="ea-fork-diff" open><summary>Fork state diff: {len(rows)} change(s) '
+            f'(this call on its own fork; the episode is untouched)</summary>{changes_table(rows)}</details>')
+
+
+def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
+    """One branch as a card. `state_before`: the step's state, to diff a shadow fork's state against."""
     classes = "ea-card ea-committed" if b.chosen else "ea-card"
     badge = '<span class="ea-badge ea-badge-committed">✓ committed</span>' if b.chosen else \
         '<span class="ea-badge">not committed</span>'
@@ -149,7 +168,7 @@ def branch_card(b: Branch) -> str:
             predicted = f'<pre class="ea-pre">{esc(pretty(b.predicted))}</pre>'
         if b.actual_source is None:
             actual_label = "Actual · none"
-            actual = '<pre class="ea-pre ea-dim">not executed (a write call on a branch not committed)</pre>'
+            actual = f'<pre class="ea-pre ea-dim">{esc(_not_executed(b))}</pre>'
         else:
             actual_label = f"Actual · {b.actual_source}" + (" · error" if b.actual_error else "")
             actual = f'<pre class="ea-pre">{esc(pretty(b.actual))}</pre>'
@@ -159,6 +178,7 @@ def branch_card(b: Branch) -> str:
             body += (f'<details class="ea-diff-box" open><summary>Diff: predicted (-) vs actual (+)</summary>'
                      f'<pre class="ea-diff">{json_diff(b.predicted, b.actual, raw=b.predicted_text if invalid else None)}'
                      '</pre></details>')
+        body += fork_diff(b, state_before)
     return f'<div class="{classes}" data-branch="{b.index}">{head}{body}{metrics_html(b)}</div>'
 
 
@@ -171,7 +191,8 @@ def step_header(step: Step) -> str:
 def branch_cards(step: Step | None, empty: str = "No step yet: press Step.") -> str:
     if step is None:
         return f'<div class="ea-cards"><div class="ea-empty">{esc(empty)}</div></div>'
-    return '<div class="ea-cards">' + step_header(step) + "".join(branch_card(b) for b in step.branches) + "</div>"
+    return ('<div class="ea-cards">' + step_header(step)
+            + "".join(branch_card(b, step.state_before) for b in step.branches) + "</div>")
 
 
 # ---------------------------------------------------------------- state
@@ -195,19 +216,21 @@ def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[s
     return sorted(rows, key=lambda r: r[0])
 
 
+def changes_table(rows: list[tuple[str, str, Any, Any]]) -> str:
+    """`state_changes` rows as an HTML table (path, change, before, after)."""
+    body = "".join(f'<tr class="ea-{kind}"><td><code>{esc(path)}</code></td><td>{kind}</td>'
+                   f'<td><code>{esc(short(old, 120)) if kind != "added" else ""}</code></td>'
+                   f'<td><code>{esc(short(new, 120)) if kind != "removed" else ""}</code></td></tr>'
+                   for path, kind, old, new in rows)
+    return (f'<table class="ea-table"><thead><tr><th>path</th><th>change</th><th>before</th><th>after</th>'
+            f'</tr></thead><tbody>{body}</tbody></table>')
+
+
 def state_view(step: Step | None) -> str:
     if step is None:
         return '<div class="ea-state"><div class="ea-empty">The environment state appears after the first step.</div></div>'
     rows = state_changes(step.state_before, step.state_after)
-    if rows:
-        body = "".join(f'<tr class="ea-{kind}"><td><code>{esc(path)}</code></td><td>{kind}</td>'
-                       f'<td><code>{esc(short(old, 120)) if kind != "added" else ""}</code></td>'
-                       f'<td><code>{esc(short(new, 120)) if kind != "removed" else ""}</code></td></tr>'
-                       for path, kind, old, new in rows)
-        table = (f'<table class="ea-table"><thead><tr><th>path</th><th>change</th><th>before</th><th>after</th>'
-                 f'</tr></thead><tbody>{body}</tbody></table>')
-    else:
-        table = '<div class="ea-dim">No state change in this step.</div>'
+    table = changes_table(rows) if rows else '<div class="ea-dim">No state change in this step.</div>'
     states = "".join(f'<details><summary>State {when}</summary>'
                      f'<pre class="ea-pre">{esc(pretty(value, STATE_CHARS))}</pre></details>'
                      for when, value in (("before", step.state_before), ("after", step.state_after)))

@@ -30,6 +30,7 @@ def request_from_form(form: dict[str, Any]) -> RunRequest:
         mode=form["mode"], branches=form["branches"], selector=form["selector"],
         temperature=form["temperature"], seed=form["seed"], shadow=form["shadow"],
         rehearsal_context=form["rehearsal_context"], tool_choice="required" if form["tool_required"] else "auto",
+        constrain=bool(form["constrain"]),
         max_action_tokens=form["max_action_tokens"], max_rehearsal_tokens=form["max_rehearsal_tokens"])
     model = (form["model"] or "").strip()
     if not model:

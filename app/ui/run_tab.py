@@ -46,10 +46,12 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
             selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
             temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
-            shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run read-only alternatives on forks)")
+            shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
             context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
             with gr.Accordion("Advanced", open=False):
                 tool_required = gr.Checkbox(d["tool_required"] and shipped is None, label="Every step calls a tool (tool_choice=required)")
+                constrain = gr.Checkbox(d["constrain"], label="Schema-constrained decoding",
+                                        info="calls match a tool's schema; rehearsals its response schema")
                 max_action_tokens = gr.Number(d["max_action_tokens"], label="Max action tokens")
                 max_rehearsal_tokens = gr.Number(d["max_rehearsal_tokens"], label="Max rehearsal tokens")
         with gr.Column(scale=4):
@@ -74,7 +76,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     form = {"source": source, "task": task, "instruction": instruction, "instruction_env": instruction_env,
             "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
             "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
-            "tool_required": tool_required, "max_action_tokens": max_action_tokens,
+            "tool_required": tool_required, "constrain": constrain, "max_action_tokens": max_action_tokens,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}

@@ -1,0 +1,125 @@
+"""Schema-constrained decoding: a `Constraint` compiled into one llguidance matcher per row.
+
+llguidance (not xgrammar): both compute token masks far faster than a CPU forward pass
+(~0.1 ms per token against ~70 ms), but xgrammar pulls in triton (1 GB) and has no grammar
+that says "plain text, or a tagged JSON call"; llguidance is a 8 MB wheel with no
+dependencies whose Lark grammars embed JSON schemas (`%json {...}`), with the exact
+separators `json.dumps` writes, so constrained output reads like the training targets.
+
+A grammar that cannot be built (an unsupported schema feature) is logged once and the
+row decodes unconstrained: a constraint is a help, never a reason to crash.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+import torch
+
+from .base import Constraint
+
+log = logging.getLogger(__name__)
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""What `json.dumps` writes by default, which is also what the training targets are."""
+TEXT_REGEX = r"/[^<{\s][^<]*/"
+"""A plain-text answer: it may not start like a call (`<`, `{`) or with whitespace, nor contain `<`."""
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # Lark string literals use JSON's escapes
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The Lark grammar (llguidance dialect) of a constraint."""
+    schema = {**constraint.schema, "x-guidance": JSON_STYLE}
+    body = f"{_lark_string(constraint.open)} json {_lark_string(constraint.close)}".replace('"" ', "")
+    lines = [f"json: %json {json.dumps(schema, separators=(',', ':'))}"]
+    if constraint.allow_text:
+        lines.insert(0, "start: tagged | TEXT")
+        lines += [f"tagged: {body}", f"TEXT: {TEXT_REGEX}"]
+    else:
+        lines.insert(0, f"start: {body}")
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=8)
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked(grammar: str) -> str | None:
+    """None when llguidance accepts the grammar, else its error (cached: prompts repeat tools)."""
+    import llguidance
+
+    try:
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, RuntimeError) as exc:
+        return str(exc) or "invalid grammar"
+    return (messages[0] if messages else "invalid grammar") if is_error else None
+
+
+class ConstraintError(ValueError):
+    """A constraint whose grammar llguidance cannot build."""
+
+
+class RowMatcher:
+    """The grammar state of one decoded row: which tokens may come next, fed token by token."""
+
+    def __init__(self, tokenizer: Any, constraint: Constraint) -> None:
+        import llguidance
+
+        grammar = grammar_text(constraint)
+        error = _checked(grammar)
+        if error:
+            raise ConstraintError(error.strip().splitlines()[0])
+        self._matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), grammar, log_level=0)
+        if self._matcher.is_error():
+            raise ConstraintError(self._matcher.get_error().splitlines()[0])
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """A bool mask [vocab_size] of the tokens the grammar allows next (EOS when complete)."""
+        words = (vocab_size + 31) // 32
+        bits = torch.full((words,), -1, dtype=torch.int32)
+        self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+        shifts = torch.arange(32, dtype=torch.int32)
+        mask = ((bits[:, None] >> shifts) & 1).bool().reshape(-1)
+        return mask[:vocab_size]
+
+    def consume(self, token: int) -> bool:
+        """Advance by one token; False when the grammar rejects it (the row then stops)."""
+        return bool(self._matcher.consume_token(token))
+
+    @property
+    def error(self) -> str | None:
+        return (self._matcher.get_error() or "rejected") if self._matcher.is_error() else None
+
+
+def matcher_for(tokenizer: Any, constraint: Constraint | None) -> RowMatcher | None:
+    """A matcher for `constraint`, or None (no constraint, or one that cannot be built: warned)."""
+    if constraint is None:
+        return None
+    try:
+        return RowMatcher(tokenizer, constraint)
+    except ConstraintError as exc:
+        log.warning("constrained decoding off for this prompt: the grammar cannot be built (%s)", exc)
+        return None
+
+
+def mask_logits(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
+    """`logits` [B, V] with disallowed tokens at -inf for the rows that have a mask (a copy)."""
+    if all(a is None for a in allowed):
+        return logits
+    masked = logits.clone()
+    for i, mask in enumerate(allowed):
+        if mask is not None:
+            width = min(mask.shape[0], masked.shape[1])
+            row = masked[i]
+            row[:width].masked_fill_(~mask[:width].to(row.device), float("-inf"))
+            row[width:] = float("-inf")
+    return masked

@@ -1,0 +1,56 @@
+"""Branch cards as HTML (pure functions): shadow responses and the fork's state diff, no browser."""
+from __future__ import annotations
+
+import json
+
+from scripted import ScriptedPolicy
+
+from app import envs
+from app.engine import EpisodeRunner
+from app.engine.runner import NOT_EXECUTED_CANNOT_FORK
+from app.records import Branch, Call, RunSettings
+from app.ui import render
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def card_of(html: str, index: int) -> str:
+    start = html.index(f'data-branch="{index}"')
+    end = html.find('data-branch="', start + 1)
+    return html[start:] if end < 0 else html[start:end]
+
+
+def test_a_shadow_write_shows_its_response_and_its_fork_diff() -> None:
+    policy = ScriptedPolicy([[call("set", key="color", value="blue"), call("delete", key="size"),
+                              call("get", key="size")]], predict=lambda text: {"ok": True})
+    runner = EpisodeRunner(envs.load_task("mock:kv"), policy,
+                           RunSettings(mode="parallel", branches=3, selector="logprob"))
+    step = runner.step()
+    html = render.branch_cards(step)
+    delete, get = card_of(html, 1), card_of(html, 2)
+    assert "Actual · shadow" in delete and "&quot;deleted&quot;: &quot;size&quot;" in delete
+    assert "Fork state diff: 1 change(s)" in delete and "removed" in delete
+    assert "[&#x27;MockKV&#x27;][&#x27;store&#x27;][&#x27;size&#x27;]" in delete
+    assert "Fork state: no change." in get  # a read leaves its fork as it was
+    committed = card_of(html, 0)
+    assert "Actual · committed" in committed and "Fork state" not in committed
+    assert "Actual · none" not in html
+
+
+def test_a_branch_without_an_actual_response_says_why() -> None:
+    cannot_fork = Branch(index=1, action_text="x", kind="call", call=Call(name="set", arguments={"key": "a"}),
+                         not_executed=NOT_EXECUTED_CANNOT_FORK)
+    assert f"not executed: {render.esc(NOT_EXECUTED_CANNOT_FORK)}" in render.branch_card(cannot_fork)
+    older = Branch(index=1, action_text="x", kind="call", call=Call(name="set", arguments={"key": "a"}))
+    assert "not shadow-executed when this trace was recorded" in render.branch_card(older)
+    answer = Branch(index=2, action_text="Done.", kind="answer")
+    assert "nothing to rehearse" in render.branch_card(answer) and "Actual ·" not in render.branch_card(answer)
+
+
+def test_no_fork_diff_without_the_step_state() -> None:
+    shadow = Branch(index=1, action_text="x", kind="call", call=Call(name="delete", arguments={"key": "a"}),
+                    actual={"deleted": "a"}, actual_source="shadow", shadow_state_after={"MockKV": {"store": {}}})
+    assert "Fork state" not in render.branch_card(shadow)
+    assert "Fork state diff: 1 change(s)" in render.branch_card(shadow, {"MockKV": {"store": {"a": 1}}})
