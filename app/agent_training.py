@@ -51,17 +51,25 @@ class AgentTrainingConfig:
     seed: int = 0
     train_tasks: int | None = None
     """Use the first N training tasks for expert rows (None: all 150)."""
-    rehearse_rows: int = 220
-    """Expert Rehearse rows sampled for round 1 (~3 s each at ~500 tokens; all 850 would take 40 min)."""
+    parent: Path | None = None
+    """Continue this adapter (a warm start: its rounds are not redone) instead of a new LoRA."""
+    rehearse_rows: int | None = 220
+    """Expert Rehearse rows sampled for round 1 (None: all 852; ~3 s each at ~500 tokens)."""
     round1_steps: int = 400
     """About one pass over the 370 round-1 sequences (Act packs plus single Rehearse rows)."""
     round1_minutes: float = 26.0
     rollout_tasks: int = 8
     rollout_turns: int = 2
     """Turns rolled out per task: early turns have short prompts and clean state."""
+    rollout_branches: int = 2
+    """K of the rollouts' parallel rehearsal (constrained decoding, shadow execution on forks)."""
     rollout_minutes: float = 6.0
+    """Per self-training round."""
+    self_rounds: int = 1
+    """Reward-filtered self-training rounds, each a rollout on fresh tasks and a training round."""
     round2_steps: int = 120
     round2_minutes: float = 5.0
+    """Steps and minutes of each self-training round."""
     expert_replay_rows: int = 60
     """Expert rows mixed into round 2 so self-training does not forget the expert data."""
     eval_tasks: int = 8
@@ -87,9 +95,11 @@ class RoundSummary:
 # ---------------------------------------------------------------- evaluation
 
 
-def rollout_settings(seed: int = 0) -> RunSettings:
-    """Parallel rehearsal, K=2, logprob selector: the cheapest setting that still rehearses every call."""
-    return RunSettings(mode="parallel", branches=2, selector="logprob", seed=seed, shadow=True,
+def rollout_settings(seed: int = 0, branches: int = 2) -> RunSettings:
+    """Parallel rehearsal, K=2, logprob selector: the cheapest setting that still rehearses every call.
+    Constrained decoding (the default) and shadow execution: every non-chosen call also runs on a
+    fork, so each rollout step yields up to K real (call, response) pairs for Rehearse rows."""
+    return RunSettings(mode="parallel", branches=branches, selector="logprob", seed=seed, shadow=True,
                        max_steps_per_turn=4)
 
 
@@ -187,7 +197,7 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
 
     started = time.perf_counter()
     rng = random.Random(cfg.seed)
-    loaded = load_model(cfg.spec)
+    loaded = load_model(cfg.spec, adapter=cfg.parent)  # peft wraps this copy; trainable_model continues it
     tok = loaded.tokenizer
     ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
                         int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
@@ -211,39 +221,49 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     rng.shuffle(rehearse)
     round1_rows = act + rehearse[:cfg.rehearse_rows]
     report(f"expert traces: {len(experts)} tasks, {len(act)} Act rows, {len(rehearse)} Rehearse rows "
-           f"({cfg.rehearse_rows} sampled)")
+           f"({len(round1_rows) - len(act)} used)")
 
-    # 2. joint training
+    # 2. joint training (a new LoRA, or the parent's continued)
+    if cfg.parent is not None:
+        report(f"continuing {cfg.parent}")
     model = trainable_model(loaded, TrainConfig(rank=cfg.rank, seed=cfg.seed))
     rounds = [run_round("round 1 (expert)", round1_rows, cfg.round1_steps, cfg.round1_minutes, model)]
 
-    # 3. reward-filtered self-training
+    # 3. reward-filtered self-training: each round rolls out on tasks the earlier rounds did not use
     policy = _policy_for(loaded, model)
     rollout_ids = list(train_ids)
     rng.shuffle(rollout_ids)
-    episodes: list[Episode] = []
-    t0 = time.perf_counter()
-    deadline = t0 + cfg.rollout_minutes * 60
-    for task_id in rollout_ids[:cfg.rollout_tasks]:
-        if episodes and time.perf_counter() > deadline:
-            break
-        episodes.append(run_episode(task_id, policy, rollout_settings(cfg.seed), cfg.rollout_turns, deadline))
-        ep = episodes[-1]
-        report(f"rollout {task_id}: turns passed {sum(t.success for t in ep.turn_results)}/{len(ep.turn_results)}, "
-               f"{len(ep.steps)} steps")
-    rollout = episode_metrics(episodes)
-    self_rows = self_training_rows(episodes, ctx)
-    replay_rows = rng.sample(round1_rows, min(cfg.expert_replay_rows, len(round1_rows)))
-    report(f"self-training: {len(self_rows)} rows kept from {len(episodes)} episodes; "
-           f"{len(replay_rows)} expert rows replayed")
-    rounds.append(run_round("round 2 (self-training)", self_rows + replay_rows, cfg.round2_steps,
-                            cfg.round2_minutes, model))
-    rounds[-1].extra = {"rollout": rollout, "rollout_seconds": round(time.perf_counter() - t0, 1)}
+    all_episodes: list[Episode] = []
+    for n in range(1, cfg.self_rounds + 1):
+        todo = rollout_ids[(n - 1) * cfg.rollout_tasks:n * cfg.rollout_tasks] or rollout_ids[:cfg.rollout_tasks]
+        episodes: list[Episode] = []
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.rollout_minutes * 60
+        for task_id in todo:
+            if episodes and time.perf_counter() > deadline:
+                break
+            episodes.append(run_episode(task_id, policy, rollout_settings(cfg.seed, cfg.rollout_branches),
+                                        cfg.rollout_turns, deadline))
+            ep = episodes[-1]
+            report(f"rollout {n} {task_id}: turns passed {sum(t.success for t in ep.turn_results)}/"
+                   f"{len(ep.turn_results)}, {len(ep.steps)} steps, {ep.shadow_calls} shadow calls")
+        all_episodes += episodes
+        rollout = episode_metrics(episodes)
+        self_rows = self_training_rows(episodes, ctx)
+        replay_rows = rng.sample(round1_rows, min(cfg.expert_replay_rows, len(round1_rows)))
+        report(f"self-training {n}: {len(self_rows)} rows kept from {len(episodes)} episodes; "
+               f"{len(replay_rows)} expert rows replayed")
+        rounds.append(run_round(f"round {n + 1} (self-training)", self_rows + replay_rows, cfg.round2_steps,
+                                cfg.round2_minutes, model))
+        rounds[-1].extra = {"rollout": rollout, "rollout_seconds": round(time.perf_counter() - t0, 1),
+                            "shadow_calls": sum(e.shadow_calls for e in episodes)}
+    episodes = all_episodes
 
     # 4. save, then evaluate base and adapter on held-out tasks
     card: dict[str, Any] = {
         "base_model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to fp32)",
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "parent": str(cfg.parent) if cfg.parent else None,
         "data": {"expert_tasks": len(train_ids), "split": "multi_turn_base, index mod 4 != 3",
                  "expert_rows": _count(rows), "self_training_episodes": [e.task_id for e in episodes]},
         "rounds": [asdict(r) for r in rounds],
@@ -331,11 +351,15 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"- Expert traces: the ground-truth calls of {data['expert_tasks']} BFCL `{data['split']}` tasks executed "
         "in the real API classes; Act targets are the calls plus a short final answer at each turn end, Rehearse "
         "targets the real responses. Prompts are the engine's own (`act_prompt`, `rehearse_prompt`).",
-        f"- Rows: {json.dumps(data['expert_rows'])}; round 1 uses every Act row and {cfg['rehearse_rows']} Rehearse rows "
-        "sampled at random (all of them would triple the round's time).",
-        f"- Self-training: parallel-rehearsal rollouts (K=2, logprob selector) on {len(data['self_training_episodes'])} "
-        "training tasks; Act rows kept only from turns that pass the BFCL state/response check, Rehearse rows from "
-        "every real response." + _rollout_line(card), "",
+        f"- Rows: {json.dumps(data['expert_rows'])}; round 1 uses every Act row and "
+        + (f"{cfg['rehearse_rows']} Rehearse rows sampled at random." if cfg.get('rehearse_rows') else "every Rehearse row."),
+        f"- Self-training: {cfg.get('self_rounds', 1)} round(s) of parallel-rehearsal rollouts "
+        f"(K={cfg.get('rollout_branches', 2)}, logprob selector, schema-constrained decoding) on "
+        f"{len(data['self_training_episodes'])} training tasks; Act rows kept only from turns that pass the BFCL "
+        "state/response check, Rehearse rows from every real response, the shadow executions of non-chosen calls "
+        "on forks included." + _rollout_line(card),
+        *([f"- Warm start: continues the adapter `{card['parent']}` (its own training is not counted here)."]
+          if card.get("parent") else []), "",
         "## Training",
         f"- LoRA r={cfg['rank']}, alpha={2 * cfg['rank']}, all linear layers, lr {cfg['lr']} (warmup, cosine to 10%), seed {cfg['seed']}.",
         f"- Sequence length: single rows over {cfg['max_seq_len']} tokens dropped (never truncated); the Act rows of "

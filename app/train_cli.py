@@ -28,7 +28,15 @@ def register(sub: Any) -> None:
     p.add_argument("--round1-minutes", type=float, default=d.round1_minutes, help="time budget of expert training")
     p.add_argument("--rollout-minutes", type=float, default=d.rollout_minutes,
                    help="time budget of self-training rollouts")
-    p.add_argument("--round2-minutes", type=float, default=d.round2_minutes, help="time budget of self-training")
+    p.add_argument("--round2-minutes", type=float, default=d.round2_minutes,
+                   help="time budget of each self-training round")
+    p.add_argument("--self-rounds", type=int, default=d.self_rounds, help="reward-filtered self-training rounds")
+    p.add_argument("--round1-steps", type=int, default=d.round1_steps, help="step cap of expert training")
+    p.add_argument("--rehearse-rows", type=int, default=d.rehearse_rows,
+                   help="expert Rehearse rows in round 1 (0: all 852)")
+    p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
+    p.add_argument("--parent", default=None,
+                   help="continue this adapter directory (a warm start) instead of a new LoRA")
     p.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
                    help="held-out tasks for the base-vs-adapter table (0: skip)")
     p.add_argument("--eval-turns", type=int, default=d.eval_turns, help="turns rolled out per held-out task")
@@ -75,7 +83,14 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               train_tasks=args.train_tasks, round1_minutes=args.round1_minutes,
                               rollout_minutes=args.rollout_minutes, round2_minutes=args.round2_minutes,
                               eval_tasks=args.eval_tasks, eval_turns=args.eval_turns,
-                              eval_minutes=args.eval_minutes)
+                              eval_minutes=args.eval_minutes, self_rounds=args.self_rounds,
+                              round1_steps=args.round1_steps, rehearse_rows=args.rehearse_rows or None,
+                              rollout_tasks=args.rollout_tasks,
+                              parent=Path(args.parent) if args.parent else None)
+    if args.self_rounds < 1 or args.rollout_tasks < 1 or args.round1_steps < 1:
+        raise UserError("--self-rounds, --rollout-tasks and --round1-steps must be at least 1")
+    if args.parent and not (Path(args.parent) / "adapter_config.json").is_file():
+        raise UserError(f"--parent {args.parent} is not a LoRA adapter directory")
     for name in ("eval_tasks", "eval_turns"):
         if getattr(args, name) < 0 or (name == "eval_turns" and args.eval_turns == 0):
             raise UserError(f"--{name.replace('_', '-')} must be {'at least 1' if name == 'eval_turns' else '0 or more'}")
