@@ -24,7 +24,7 @@ from typing import Any, Callable
 from app import envs
 from app.config import SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare
-from app.evaluation import call_matches, episode_metrics  # moved there; re-exported for old callers
+from app.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
 from app.records import Episode, RunSettings
 from app.training_data import (PromptContext, expert_episode, expert_rows,
@@ -161,6 +161,9 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
             break
         episodes.append(run_episode(task_id, policy, settings, max_turns, deadline))
     report = episode_metrics(episodes)
+    # Every rehearsed branch with an actual response (committed or shadow), read-only vs state-changing.
+    report["rehearsal_by_access"] = {k: {m: v[m] for m in ("n", "exact", "field_f1", "error_agree")}
+                                     for k, v in fidelity_by(episodes, access_of).items()}
     report["forced"] = forced_rehearsal(policy, task_ids, forced_calls, constrain=settings.constrain)
     report["tasks"] = [e.task_id for e in episodes]
     report["max_turns"] = max_turns
@@ -279,22 +282,50 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     return card
 
 
-def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Report = log.info) -> dict[str, Any]:
-    """`heldout_report` for the adapter, then for the base weights, on the same tasks and settings."""
+HELDOUT_ROWS: dict[str, str] = {
+    "base": "base SmolLM2-135M",
+    "previous": "previous adapter",
+    "previous_unconstrained": "previous adapter, unconstrained",
+    "adapter_unconstrained": "this adapter, unconstrained",
+    "adapter": "this adapter",
+}
+"""Columns of the card's held-out table, in order; constrained decoding unless the name says otherwise."""
+
+
+def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Report = log.info,
+                       previous: Path | None = None) -> dict[str, Any]:
+    """`heldout_report` for the adapter (constrained and not), the base weights and, when given, a
+    previous adapter (constrained and not), on the same tasks and rollout settings."""
     from model_backend import load_model
     from model_backend.policy import TransformersPolicy
 
     kwargs = dict(max_turns=cfg.eval_turns, forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes or None)
-    out = {"adapter": heldout_report(adapter_policy, cfg.eval_tasks, **kwargs)}
-    report(f"held-out, adapter: {json.dumps(out['adapter'])}")
-    base = TransformersPolicy(load_model(cfg.spec))  # a fresh load: peft wraps a model in place
-    out["base"] = heldout_report(base, cfg.eval_tasks, **kwargs)
-    report(f"held-out, base: {json.dumps(out['base'])}")
+    constrained = rollout_settings(cfg.seed)
+    free = constrained.model_copy(update={"constrain": False})
+    runs: list[tuple[str, Callable[[], Any], RunSettings]] = [
+        ("adapter", lambda: adapter_policy, constrained), ("adapter_unconstrained", lambda: adapter_policy, free),
+        # Fresh loads: peft wraps a model in place.
+        ("base", lambda: TransformersPolicy(load_model(cfg.spec)), constrained)]
+    if previous is not None:
+        prev: list[Any] = []
+
+        def previous_policy() -> Any:
+            if not prev:
+                prev.append(TransformersPolicy(load_model(cfg.spec, adapter=previous, merge_adapter=True)))
+            return prev[0]
+
+        runs += [("previous", previous_policy, constrained), ("previous_unconstrained", previous_policy, free)]
+    out: dict[str, Any] = {}
+    for name, policy, settings in runs:
+        out[name] = heldout_report(policy(), cfg.eval_tasks, settings=settings, **kwargs)
+        report(f"held-out, {name}: {json.dumps(out[name])}")
     return out
 
 
-def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report = log.info) -> dict[str, Any]:
-    """Add the held-out base-vs-adapter table to an adapter that `train_agent` wrote (its card is rewritten)."""
+def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report = log.info,
+                     previous: Path | None = None) -> dict[str, Any]:
+    """Add the held-out table to an adapter that `train_agent` wrote (its card is rewritten);
+    `previous`: an earlier adapter to compare with (e.g. the one it replaces, from git history)."""
     from model_backend import load_model
     from model_backend.policy import TransformersPolicy
 
@@ -304,7 +335,9 @@ def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report
     card = json.loads(card_path.read_text())
     started = time.perf_counter()
     policy = TransformersPolicy(load_model(cfg.spec, adapter=adapter_dir))
-    card["heldout"] = heldout_comparison(policy, cfg, report)
+    card["heldout"] = heldout_comparison(policy, cfg, report, previous)
+    if previous is not None:
+        card["heldout_previous"] = str(previous)
     card["config"].update({k: getattr(cfg, k) for k in ("eval_tasks", "eval_turns", "eval_forced_calls", "eval_minutes")})
     card["eval_seconds"] = round(time.perf_counter() - started, 1)
     card["total_seconds"] = round(card["train_seconds"] + card["eval_seconds"], 1)
@@ -382,22 +415,31 @@ def card_markdown(card: dict[str, Any]) -> str:
               f"{card.get('total_seconds', card['train_seconds']) / 60:.1f} min.", ""]
     held = card.get("heldout")
     if held:
-        a, b = held["adapter"], held.get("base", {})
+        a = held["adapter"]
+        cols = [k for k in HELDOUT_ROWS if k in held]
         lines += [
             "## Held-out results (BFCL multi_turn_base, index mod 4 == 3)",
-            f"Episodes: {len(a['tasks'])} tasks, first {a['max_turns']} turns each, parallel rehearsal K=2. "
-            "Call accuracy: committed calls equal (canonical name + arguments) to one of the turn's ground-truth "
-            "calls, over committed steps. Forced rehearsal: every model rehearses the same ground-truth calls "
-            "with their real history.", "",
-            "| metric | base | adapter |", "|---|---|---|",
+            f"Episodes: {len(a['tasks'])} tasks, first {a['max_turns']} turns each, parallel rehearsal K=2, "
+            "schema-constrained decoding unless a column says otherwise. Call accuracy: committed calls equal "
+            "(canonical name + arguments) to one of the turn's ground-truth calls, over committed steps. "
+            "Forced rehearsal: every model rehearses the same ground-truth calls with their real history."
+            + (f" Previous adapter: `{card['heldout_previous']}`." if card.get("heldout_previous") else ""), "",
+            "| metric | " + " | ".join(HELDOUT_ROWS[k] for k in cols) + " |", "|---|" + "---|" * len(cols),
         ]
-        rows = [("call accuracy", "call_accuracy"), ("tool-call rate", "call_rate"), ("turn success", "turn_success")]
+        rows = [("call accuracy", "call_accuracy"), ("tool-call rate", "call_rate"),
+                ("parse errors / step", "parse_error_rate"), ("turn success", "turn_success")]
         for label, key in rows:
-            lines.append(f"| {label} | {_fmt(b.get(key))} | {_fmt(a.get(key))} |")
+            lines.append(f"| {label} | " + " | ".join(_fmt(held[k].get(key)) for k in cols) + " |")
         for scope in ("rehearsal", "forced"):
-            for key in ("exact", "field_f1", "error_agree"):
-                name = f"{'episode' if scope == 'rehearsal' else 'forced'} rehearsal {key} (n={a[scope]['n']}/{b.get(scope, {}).get('n')})"
-                lines.append(f"| {name} | {_fmt(b.get(scope, {}).get(key))} | {_fmt(a[scope].get(key))} |")
+            for key in ("exact", "field_f1", "error_agree", "json_valid"):
+                where = "episode" if scope == "rehearsal" else "forced"
+                lines.append(f"| {where} rehearsal {key} | "
+                             + " | ".join(_fmt(held[k].get(scope, {}).get(key)) for k in cols) + " |")
+            lines.append(f"| {where} rehearsal n | " + " | ".join(_fmt(held[k].get(scope, {}).get("n")) for k in cols) + " |")
+        for access in ("read-only", "state-changing"):
+            for key in ("exact", "error_agree", "n"):
+                lines.append(f"| all rehearsed branches, {access}: {key} | " + " | ".join(
+                    _fmt(held[k].get("rehearsal_by_access", {}).get(access, {}).get(key)) for k in cols) + " |")
     lines += ["", "Full figures: `training.json`."]
     return "\n".join(lines) + "\n"
 

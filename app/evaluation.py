@@ -138,7 +138,7 @@ def find_complete_episode(store: Store, task_id: str, settings: RunSettings, mod
                           adapter: str | None, max_turns: int | None) -> str | None:
     """The newest stored episode with these task, model, adapter and settings that is complete."""
     for row in store.list_episodes(task_id=task_id, model=model, mode=settings.mode, seed=settings.seed):
-        if row["adapter"] != adapter or RunSettings(**json.loads(row["settings"])) != settings:
+        if row["adapter"] != adapter or RunSettings.from_stored(json.loads(row["settings"])) != settings:
             continue
         if episode_complete(row["status"], len(json.loads(row["turn_results"] or "[]")), max_turns):
             return row["id"]
@@ -217,7 +217,7 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
         "rows": [{"row": row, "settings": rows[row].model_dump(), **table_row(eps, tasks)}
                  for row, eps in by_row.items()],
         "fidelity": {"by_tool": fidelity_by(episodes, lambda b, t: b.call.name if b.call else None, tasks),
-                     "by_access": fidelity_by(episodes, _access, tasks),
+                     "by_access": fidelity_by(episodes, access_of, tasks),
                      "by_context": probe},
         "run": {"episodes_run": ran, "episodes_resumed": resumed,
                 "seconds": round(time.perf_counter() - started, 1), "finished_at": utcnow()},
@@ -290,7 +290,7 @@ def episode_metrics(episodes: list[Episode], tasks: dict[str, Task] | None = Non
     branches of those steps (kept as `agent_training` has always reported it).
     """
     infos = _infos(episodes, tasks)
-    steps = matched = calls = turns = passed = 0
+    steps = matched = calls = parse_errors = turns = passed = 0
     measured: list[Metrics] = []
     for ep in episodes:
         turns += len(ep.turn_results)
@@ -300,11 +300,12 @@ def episode_metrics(episodes: list[Episode], tasks: dict[str, Task] | None = Non
             steps += 1
             chosen = step.chosen_branch
             calls += chosen.kind == "call"
+            parse_errors += chosen.kind == "parse_error"
             matched += call_matches(chosen.call, gold, info.param_names)
             measured += [b.metrics for b in step.branches if b.metrics.json_valid is not None]
     rehearsal = aggregate(measured)
     return {"episodes": len(episodes), "steps": steps, "call_accuracy": _ratio(matched, steps),
-            "call_rate": _ratio(calls, steps), "turns": turns, "turn_success": _ratio(passed, turns),
+            "call_rate": _ratio(calls, steps), "parse_error_rate": _ratio(parse_errors, steps), "turns": turns, "turn_success": _ratio(passed, turns),
             "rehearsal": {k: rehearsal[k] for k in ("n", "exact", "field_f1", "error_agree", "json_valid")}}
 
 
@@ -337,7 +338,7 @@ def table_row(episodes: list[Episode], tasks: dict[str, Task] | None = None) -> 
     }
 
 
-def _access(branch: Any, info: _TaskInfo) -> str | None:
+def access_of(branch: Any, info: _TaskInfo) -> str | None:
     if branch.call is None:
         return None
     read_only = info.read_only.get(branch.call.name)
@@ -401,6 +402,6 @@ def state_context_probe(policy: Any, episodes: list[Episode], tasks: dict[str, T
     return out
 
 
-__all__ = ["BEST_OF_K", "EvalConfig", "EvalProgress", "call_matches", "episode_complete", "episode_metrics",
+__all__ = ["BEST_OF_K", "access_of", "EvalConfig", "EvalProgress", "call_matches", "episode_complete", "episode_metrics",
            "fidelity_by", "find_complete_episode", "resolve_tasks", "run_episode", "run_eval", "state_context_probe",
            "table_row", "truncate"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 Mode = Literal["none", "parallel", "sequential"]
 Selector = Literal["judge", "logprob", "memory", "oracle"]
@@ -142,6 +142,12 @@ class RunSettings(BaseModel):
     max_action_tokens: int = Field(96, ge=8, le=1024)
     max_rehearsal_tokens: int = Field(128, ge=8, le=2048)
 
+    @classmethod
+    def from_stored(cls, values: dict[str, Any]) -> "RunSettings":
+        """Settings read back from a store or a file: those written before `constrain` existed
+        were decoded freely, so a missing `constrain` means False there (not the new default)."""
+        return cls(**{"constrain": False, **values})
+
 
 class Episode(BaseModel):
     """One task under one model and one rehearsal setting."""
@@ -161,6 +167,12 @@ class Episode(BaseModel):
     created_at: str = Field(default_factory=utcnow)
     finished_at: str | None = None
     error: str | None = None
+
+    @field_validator("settings", mode="before")
+    @classmethod
+    def _stored_settings(cls, value: Any) -> Any:
+        # A dict comes from a store or a file: read it as RunSettings.from_stored does.
+        return RunSettings.from_stored(value) if isinstance(value, dict) else value
 
 
 class Annotation(BaseModel):

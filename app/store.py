@@ -267,7 +267,7 @@ class Store:
                 by_step.setdefault(b["step_id"], []).append(_branch_from_row(b))
             return Episode(
                 id=row["id"], task_id=row["task_id"], model=row["model"], adapter=row["adapter"],
-                settings=RunSettings(**_unjson(row["settings"])), status=row["status"],
+                settings=RunSettings.from_stored(_unjson(row["settings"])), status=row["status"],
                 success=None if row["success"] is None else bool(row["success"]),
                 turn_results=[TurnResult(**t) for t in _unjson(row["turn_results"]) or []],
                 external_calls=row["external_calls"], shadow_calls=row["shadow_calls"],

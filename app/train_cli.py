@@ -44,6 +44,8 @@ def register(sub: Any) -> None:
                    help="wall-time cap of each model's held-out episodes (0: none, every task runs)")
     p.add_argument("--evaluate", metavar="ADAPTER", default=None,
                    help="train nothing: add the held-out base-vs-adapter table to this train-agent adapter's card")
+    p.add_argument("--previous", metavar="ADAPTER", default=None,
+                   help="with --evaluate: an earlier adapter to add to the table (constrained and not)")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (minutes), not the shipped adapter")
     p.set_defaults(func=cmd_train_agent)
 
@@ -97,7 +99,7 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     if args.eval_minutes < 0:
         raise UserError("--eval-minutes must be 0 (no cap) or more")
     if args.evaluate:
-        return _evaluate(Path(args.evaluate), cfg)
+        return _evaluate(Path(args.evaluate), cfg, Path(args.previous) if args.previous else None)
     if args.quick:
         if not args.out:
             raise UserError("--quick needs --out (it must not replace the shipped adapter)")
@@ -121,14 +123,17 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(adapter: Path, cfg: Any) -> int:
+def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None) -> int:
     from app.agent_training import evaluate_adapter
 
     if not (adapter / "training.json").is_file():
         raise UserError(f"{adapter} is not an adapter written by train-agent (no training.json)")
     if cfg.eval_tasks == 0:
         raise UserError("--evaluate needs --eval-tasks of at least 1")
-    card = evaluate_adapter(adapter, cfg, report=lambda line: print(line, file=sys.stderr, flush=True))
+    if previous is not None and not (previous / "adapter_config.json").is_file():
+        raise UserError(f"--previous {previous} is not a LoRA adapter directory")
+    card = evaluate_adapter(adapter, cfg, report=lambda line: print(line, file=sys.stderr, flush=True),
+                            previous=previous)
     print(f"held-out table added to {adapter / 'README.md'}; {card['eval_seconds'] / 60:.1f} min")
     return 0
 

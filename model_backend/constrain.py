@@ -96,6 +96,11 @@ class RowMatcher:
         return bool(self._matcher.consume_token(token))
 
     @property
+    def accepting(self) -> bool:
+        """The text so far is a complete sentence of the grammar."""
+        return bool(self._matcher.is_accepting())
+
+    @property
     def error(self) -> str | None:
         return (self._matcher.get_error() or "rejected") if self._matcher.is_error() else None
 

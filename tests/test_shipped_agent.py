@@ -38,7 +38,7 @@ def test_the_card_shows_the_adapter_beating_the_base_on_heldout_tasks() -> None:
     assert held["adapter"]["call_accuracy"] > held["base"]["call_accuracy"]
     assert held["adapter"]["forced"]["exact"] > held["base"]["forced"]["exact"]
     assert held["adapter"]["forced"]["n"] == held["base"]["forced"]["n"] > 0
-    assert c["train_seconds"] < 60 * 60  # the budget on 2 cores
+    assert c["train_seconds"] < 90 * 60  # the budget on 2 cores
     text = (SHIPPED_ADAPTER / "README.md").read_text()
     assert "## Held-out results" in text and f"Episodes: {len(held['adapter']['tasks'])} tasks" in text
 

@@ -256,7 +256,7 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"turns {turns} · success {success}  \n"
             f"model `{ep.model}`{f' + `{ep.adapter}`' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
-            f"context {s.rehearsal_context}" + (f"  \n{note}" if note else ""))
+            f"context {s.rehearsal_context} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
 
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",
