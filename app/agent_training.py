@@ -314,12 +314,31 @@ def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Re
                 prev.append(TransformersPolicy(load_model(cfg.spec, adapter=previous, merge_adapter=True)))
             return prev[0]
 
-        runs += [("previous", previous_policy, constrained), ("previous_unconstrained", previous_policy, free)]
+        runs.append(("previous", previous_policy, constrained))
     out: dict[str, Any] = {}
+    earlier = _earlier_heldout(previous, cfg) if previous is not None else None
+    if earlier is not None:
+        out["previous_unconstrained"] = earlier  # measured on this protocol by its own card
+        report("held-out, previous_unconstrained: taken from the previous adapter's card (same protocol)")
+    elif previous is not None:
+        runs.append(("previous_unconstrained", previous_policy, free))
     for name, policy, settings in runs:
         out[name] = heldout_report(policy(), cfg.eval_tasks, settings=settings, **kwargs)
         report(f"held-out, {name}: {json.dumps(out[name])}")
     return out
+
+
+def _earlier_heldout(previous: Path, cfg: AgentTrainingConfig) -> dict[str, Any] | None:
+    """The previous adapter's own held-out row, when its card measured it on this protocol before
+    constrained decoding existed (so: unconstrained); None otherwise."""
+    path = previous / "training.json"
+    if not path.is_file():
+        return None
+    card = json.loads(path.read_text())
+    row, conf = card.get("heldout", {}).get("adapter"), card.get("config", {})
+    same = (conf.get("eval_tasks"), conf.get("eval_turns"), conf.get("eval_forced_calls"), conf.get("eval_minutes")) == (
+        cfg.eval_tasks, cfg.eval_turns, cfg.eval_forced_calls, cfg.eval_minutes)
+    return row if row is not None and same and "parse_error_rate" not in row else None
 
 
 def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report = log.info,

@@ -54,3 +54,20 @@ def test_no_fork_diff_without_the_step_state() -> None:
                     actual={"deleted": "a"}, actual_source="shadow", shadow_state_after={"MockKV": {"store": {}}})
     assert "Fork state" not in render.branch_card(shadow)
     assert "Fork state diff: 1 change(s)" in render.branch_card(shadow, {"MockKV": {"store": {"a": 1}}})
+
+
+def test_the_card_says_how_candidates_folded_and_flags_a_diverged_prediction() -> None:
+    from app.records import Branch, Call, Metrics, Step
+    from app.ui import render
+
+    folded = Branch(index=0, action_text="x", kind="call", call=Call(name="ls"), duplicates=2, chosen=True,
+                    predicted={"a": 1}, predicted_text='{"a": 1}', actual=None, actual_source="committed",
+                    metrics=Metrics(json_valid=True, exact=False, field_f1=0.0, error_agree=True))
+    other = Branch(index=1, action_text="y", kind="call", call=Call(name="pwd"), sampled=True,
+                   metrics=Metrics(json_valid=True, exact=True))
+    step = Step(index=0, turn=0, branches=[folded, other], chosen=0, kind="call")
+    html = render.branch_cards(step)
+    assert "4 proposed → 2 unique (b0 proposed 3×)" in html
+    assert html.count("prediction diverged") == 1 and html.count("prediction matched") == 1
+    assert "null (no output: success)" in html
+    assert f'title="{render.METRIC_HELP["surprise"]}"' in html

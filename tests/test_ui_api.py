@@ -60,7 +60,7 @@ def form(**overrides):
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
                   rehearsal_context=d["rehearsal_context"], tool_required=d["tool_required"],
-                  max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
+                  constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
 
@@ -75,9 +75,11 @@ def test_step_shows_branches_and_saves_the_step(app):
     assert "Actual · none" not in cards  # mkdir is a write: it runs on its own fork too
     assert "Fork state diff" in cards and "temp" in cards
     assert "Diff: predicted (-) vs actual (+)" in cards and "field_f1" in cards
-    assert chat[0]["role"] == "user" and chat[1]["metadata"]["title"].startswith("🛠️ Step 0: ls")
+    assert chat[0]["role"] == "user" and "**Step 0 · tool call** `ls({})`" in chat[1]["content"][0]["text"]
+    assert not chat[1].get("metadata")  # an open message, not a collapsed bubble
     assert timeline["choices"] == [["0 · t1 · ls({})", 0]]
-    assert "State diff, step 0" in state and "running" in status
+    assert "State diff, step 0" in state and "**in progress**, 1 step(s)" in status
+    assert "3 proposed → " in cards and 'title="F1 over the' in cards
     after = counts(app)
     assert after["episodes"] == before["episodes"] + 1 and after["steps"] == before["steps"] + 1
     assert after["branches"] == before["branches"] + 3

@@ -14,6 +14,9 @@ VIEW_CSS = """
 .ea-card-head { display: flex; flex-wrap: wrap; gap: 6px; align-items: baseline; margin-bottom: 6px; }
 .ea-badge { font-size: 11px; padding: 1px 6px; border-radius: 10px; background: rgba(128,128,128,.2); }
 .ea-badge-committed { background: #16a34a; color: white; font-weight: 600; }
+.ea-badge-diverged { background: #dc2626; color: white; font-weight: 600; }
+.ea-badge-matched { background: rgba(22,163,74,.18); }
+.ea-metric { cursor: help; border-bottom: 1px dotted rgba(128,128,128,.6); }
 .ea-action { font-size: 12px; word-break: break-all; }
 .ea-scores, .ea-dim { opacity: .75; font-size: 12px; }
 .ea-grid { display: grid; grid-template-columns: 1fr 1fr; gap: 8px; }

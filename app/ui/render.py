@@ -55,14 +55,14 @@ def _step_messages(step: Step) -> list[dict[str, Any]]:
     b = step.chosen_branch
     if b.kind == "answer":
         return [{"role": "assistant", "content": b.action_text.strip()[:CHAT_CHARS]}]
+    # Plain text labels (no emoji: a machine without an emoji font shows a broken box), and
+    # ordinary messages, not collapsed metadata bubbles: the result is what a person reads.
     if b.kind == "parse_error":
-        return [{"role": "assistant", "content": f"```\n{b.action_text.strip()[:CHAT_CHARS]}\n```",
-                 "metadata": {"title": f"⚠️ Step {step.index}: unparseable action ({short(b.parse_error or '', 60)})",
-                              "status": "done"}}]
-    result = pretty(b.actual, CHAT_CHARS)
-    return [{"role": "assistant", "content": f"```json\n{result}\n```",
-             "metadata": {"title": f"🛠️ Step {step.index}: {action_label(b)}",
-                          "log": "error" if b.actual_error else "result", "status": "done"}}]
+        return [{"role": "assistant", "content": f"**Step {step.index} · unparseable action** "
+                 f"({short(b.parse_error or '', 60)})\n```\n{b.action_text.strip()[:CHAT_CHARS]}\n```"}]
+    outcome = "error" if b.actual_error else ("result: null (no output: success)" if b.actual is None else "result")
+    return [{"role": "assistant", "content": f"**Step {step.index} · tool call** `{action_label(b)}`  \n"
+             f"{outcome}:\n```json\n{pretty(b.actual, CHAT_CHARS)}\n```"}]
 
 
 def chat_messages(turns: list[list[dict[str, str]]], steps: list[Step], open_turn: int | None = None,
@@ -112,14 +112,30 @@ def _flag(value: bool | None) -> str:
     return "–" if value is None else ("✓" if value else "✗")
 
 
+METRIC_HELP = {
+    "json_valid": "the rehearsal parsed as JSON",
+    "exact": "predicted equals actual (canonical JSON: key order and spacing ignored)",
+    "field_f1": "F1 over the (leaf path, value) pairs of predicted vs actual: 1 = every field right",
+    "error_agree": "both are errors, or both are successes",
+    "surprise": "mean negative log-likelihood per token of the actual response under the Rehearse role "
+                "(0 = the model expected it exactly; higher = more surprised)",
+}
+"""Tooltips of the card's metric names (one text for the UI and the README)."""
+
+
+def _metric(name: str, value: str) -> str:
+    return f'<span title="{esc(METRIC_HELP[name])}" class="ea-metric">{name} {value}</span>'
+
+
 def metrics_html(b: Branch) -> str:
     m = b.metrics
     if m.json_valid is None:
         return '<div class="ea-metrics">no metrics: nothing to compare (not rehearsed, or not executed)</div>'
     f1 = "–" if m.field_f1 is None else f"{m.field_f1:.2f}"
     surprise = "–" if m.surprise is None else f"{m.surprise:.2f}"
-    return (f'<div class="ea-metrics">json_valid {_flag(m.json_valid)} · exact {_flag(m.exact)} · '
-            f'field_f1 {f1} · error_agree {_flag(m.error_agree)} · surprise {surprise}</div>')
+    return ('<div class="ea-metrics">' + " · ".join([
+        _metric("json_valid", _flag(m.json_valid)), _metric("exact", _flag(m.exact)), _metric("field_f1", f1),
+        _metric("error_agree", _flag(m.error_agree)), _metric("surprise", surprise)]) + "</div>")
 
 
 def _not_executed(b: Branch) -> str:
@@ -146,7 +162,12 @@ def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
     badge = '<span class="ea-badge ea-badge-committed">✓ committed</span>' if b.chosen else \
         '<span class="ea-badge">not committed</span>'
     origin = "sampled" if b.sampled else "greedy"
-    dup = f" · +{b.duplicates} duplicate(s)" if b.duplicates else ""
+    dup = f" · proposed {b.duplicates + 1}×" if b.duplicates else ""
+    if b.metrics.exact is False:
+        badge += ' <span class="ea-badge ea-badge-diverged" title="the rehearsal did not predict the actual response">prediction diverged</span>'
+    elif b.metrics.exact:
+        badge += ' <span class="ea-badge ea-badge-matched">prediction matched</span>'
+
     scores = " ".join(f"{esc(k)} {v:.3f}" for k, v in b.scores.items())
     head = (f'<div class="ea-card-head">{badge} <b>b{b.index}</b> <span class="ea-dim">{origin}{dup}</span> '
             f'<code class="ea-action">{esc(action_label(b))}</code>'
@@ -171,7 +192,8 @@ def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
             actual = f'<pre class="ea-pre ea-dim">{esc(_not_executed(b))}</pre>'
         else:
             actual_label = f"Actual · {b.actual_source}" + (" · error" if b.actual_error else "")
-            actual = f'<pre class="ea-pre">{esc(pretty(b.actual))}</pre>'
+            shown = "null (no output: success)" if b.actual is None and not b.actual_error else pretty(b.actual)
+            actual = f'<pre class="ea-pre">{esc(shown)}</pre>'
         body = (f'<div class="ea-grid"><div><div class="ea-label">Predicted</div>{predicted}</div>'
                 f'<div><div class="ea-label">{esc(actual_label)}</div>{actual}</div></div>')
         if b.predicted_text is not None and b.actual_source is not None:
@@ -182,8 +204,15 @@ def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
     return f'<div class="{classes}" data-branch="{b.index}">{head}{body}{metrics_html(b)}</div>'
 
 
+def proposals(step: Step) -> str:
+    """"4 proposed → 2 unique (b0 proposed 3×)": samples equal to an earlier candidate fold into it."""
+    proposed = sum(1 + b.duplicates for b in step.branches)
+    folded = [f"b{b.index} proposed {b.duplicates + 1}×" for b in step.branches if b.duplicates]
+    return f"{proposed} proposed → {len(step.branches)} unique" + (f" ({', '.join(folded)})" if folded else "")
+
+
 def step_header(step: Step) -> str:
-    return (f'<div class="ea-step-head">Step {step.index} · turn {step.turn + 1} · {len(step.branches)} branch(es) · '
+    return (f'<div class="ea-step-head">Step {step.index} · turn {step.turn + 1} · {esc(proposals(step))} · '
             f'{step.rehearsals} rehearsed · {step.shadow_calls} shadow · {step.external_calls} external · '
             f'{step.duration_s:.1f} s</div>')
 
@@ -251,7 +280,8 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
     s = ep.settings
     success = {None: "–", True: "yes", False: "no"}[ep.success]
     turns = ", ".join(f"t{t.turn + 1} {'✓' if t.success else '✗'}" for t in ep.turn_results) or "–"
-    return (f"**Episode** `{ep.id}` · task `{ep.task_id}` · **{ep.status}** · steps {len(ep.steps)} · "
+    status = "in progress" if ep.status == "running" else ep.status  # "running" read as busy after a step
+    return (f"**Episode** `{ep.id}` · task `{ep.task_id}` · **{status}**, {len(ep.steps)} step(s) · "
             f"external calls {ep.external_calls} · shadow {ep.shadow_calls} · rehearsals {ep.rehearsals} · "
             f"turns {turns} · success {success}  \n"
             f"model `{ep.model}`{f' + `{ep.adapter}`' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
