@@ -61,7 +61,13 @@ def main() -> None:
     from app.ui import constants as C
 
     # Spaces set GRADIO_SERVER_NAME/PORT; the database defaults to /data (persistent storage) when present.
-    build_demo().launch(max_file_size=f"{C.MAX_IMPORT_MB}mb")
+    from app.cli import shutdown_event, wait_for
+
+    demo = build_demo()
+    stop = shutdown_event()  # SIGTERM (a Space stopping) and Ctrl+C shut the server down cleanly
+    demo.launch(max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True)
+    wait_for(stop)
+    demo.close()
 
 
 if __name__ == "__main__":

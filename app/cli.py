@@ -229,9 +229,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.ui import constants as C
 
     demo = build_demo(db_path=args.db or default_db_path())
+    stop = shutdown_event()  # before launch: a SIGTERM as soon as the port answers is heard too
     demo.queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port,
-                                                   max_file_size=f"{C.MAX_IMPORT_MB}mb")
+                                                   max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True)
+    wait_for(stop)
+    demo.close()
     return 0
+
+
+def shutdown_event() -> Any:
+    """An event set by SIGTERM or Ctrl+C (Gradio's own blocking loop lets SIGTERM pass unheard)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for(stop: Any) -> None:
+    while not stop.wait(0.5):  # a timed wait: signal handlers run between waits
+        pass
+    print("shutting down", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,3 +61,32 @@ def test_help_does_not_import_torch():
                           "build_parser().format_help()\nprint('torch' in sys.modules)"],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_serve_shuts_down_cleanly_on_sigterm_and_ctrl_c(tmp_path, sig):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port), "--db", str(tmp_path / "x.db")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no answer"
+                time.sleep(0.5)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "shutting down" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

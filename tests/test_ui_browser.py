@@ -66,16 +66,16 @@ def test_step_annotate_and_find_it(served, page):
 
     # Small, fast settings: 3 branches, the logprob selector (no judge pass), short generations.
     page.get_by_label("K (branches)").fill("3")
+    page.get_by_text("Advanced").click()  # seed, selector, shadow and context live there
     page.get_by_label("Selector").click()
     page.get_by_role("option", name="logprob").click()
-    page.get_by_text("Advanced").click()
     page.get_by_label("Max action tokens").fill("48")
     page.get_by_label("Max rehearsal tokens").fill("48")
 
     status = page.locator(f"#{C.ID_RUN_STATUS}")
     for n in (1, 2):
         page.get_by_role("button", name=C.STEP, exact=True).click()
-        expect(status).to_contain_text(f"steps {n} ", timeout=STEP_TIMEOUT_MS)
+        expect(status).to_contain_text(f", {n} step(s)", timeout=STEP_TIMEOUT_MS)
     cards = page.locator(f"#{C.ID_CARDS} .ea-card")
     expect(cards.first).to_be_visible()
     counts = [cards.count()]

@@ -43,12 +43,13 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             mode = gr.Radio(list(C.MODES), value=d["mode"], label="Rehearsal mode")
             with gr.Row():
                 branches = gr.Number(d["branches"], label="K (branches)", info="1-16")
-                seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
-            selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
-            temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
-            shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
-            context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
+                temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
+            # What a first run never needs to touch waits in Advanced: a shorter left column.
             with gr.Accordion("Advanced", open=False):
+                seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
+                selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
+                shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
+                context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
                 tool_required = gr.Checkbox(d["tool_required"] and shipped is None, label="Every step calls a tool (tool_choice=required)")
                 constrain = gr.Checkbox(d["constrain"], label="Schema-constrained decoding",
                                         info="calls match a tool's schema; rehearsals its response schema")
@@ -59,7 +60,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 step_btn = gr.Button(C.STEP, variant="primary")
                 turn_btn = gr.Button(C.RUN_TURN)
                 all_btn = gr.Button(C.RUN_ALL)
-                stop_btn = gr.Button(C.STOP, variant="stop")
+                stop_btn = gr.Button(C.STOP, variant="secondary")  # neutral: red read as "something is wrong"
                 reset_btn = gr.Button(C.RESET)
             message = gr.HTML("", elem_id=C.ID_RUN_MESSAGE, css_template=VIEW_CSS)
             status = gr.Markdown(render.episode_status(None, "Press Step to start."), elem_id=C.ID_RUN_STATUS)
