@@ -61,7 +61,7 @@ def test_fresh_venv_with_requirements_txt_serves_the_run_tab(tmp_path):
             max_action_tokens=32, max_rehearsal_tokens=32, api_name="/step")
         assert "ea-msg-error" not in message, message
         assert cards.count("data-branch=") >= 1 and "Predicted" in cards and "ea-committed" in cards
-        assert "running" in status or "finished" in status
+        assert "in progress" in status or "finished" in status
     finally:
         proc.terminate()
         proc.wait(timeout=30)
