@@ -283,3 +283,33 @@ def test_training_render_equals_policy_render() -> None:
         assert render(policy.tokenizer, prompt) == policy.render(prompt)
     prompt = scripted.rehearse_calls[0][0]
     assert render(policy.tokenizer, prompt) == policy.render(prompt)
+
+
+def test_heldout_comparison_runs_each_column_with_its_decoding(tmp_path: Path, monkeypatch) -> None:
+    """The wiring of `train-agent --evaluate --previous`: which policy and setting each column gets
+    (heldout_report and model loading replaced by recorders; the real episodes are the slow path)."""
+    import json as _json
+
+    import model_backend
+    import model_backend.policy
+    from app import agent_training as at
+
+    calls = []
+    monkeypatch.setattr(at, "heldout_report", lambda policy, n, settings, **kw: calls.append(
+        (policy, settings.constrain)) or {"tasks": [], "call_accuracy": 0.0})
+    monkeypatch.setattr(model_backend, "load_model", lambda spec, adapter=None, **kw: f"weights+{adapter}")
+    monkeypatch.setattr(model_backend.policy, "TransformersPolicy", lambda loaded: f"policy({loaded})")
+    previous = tmp_path / "prev"
+    previous.mkdir()
+    cfg = at.AgentTrainingConfig(eval_tasks=2, eval_turns=1, eval_forced_calls=4, eval_minutes=0)
+    out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous)
+    assert list(out) == ["adapter", "adapter_unconstrained", "base", "previous", "previous_unconstrained"]
+    assert calls == [("new", True), ("new", False), ("policy(weights+None)", True),
+                     (f"policy(weights+{previous})", True), (f"policy(weights+{previous})", False)]
+    # A previous adapter whose own card measured this protocol (before constraints existed) is reused.
+    old_row = {"tasks": ["t"], "call_accuracy": 0.1}
+    (previous / "training.json").write_text(_json.dumps({"heldout": {"adapter": old_row}, "config": {
+        "eval_tasks": 2, "eval_turns": 1, "eval_forced_calls": 4, "eval_minutes": 0}}))
+    calls.clear()
+    out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous)
+    assert out["previous_unconstrained"] == old_row and len(calls) == 4
