@@ -115,11 +115,12 @@ ERROR_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"error": {"type
                                 "required": ["error"], "additionalProperties": False}
 
 
-def grammar_schema(schema: dict[str, Any], closed: bool) -> dict[str, Any]:
+def grammar_schema(schema: dict[str, Any], closed: bool, max_string: int | None = None) -> dict[str, Any]:
     """A tool's JSON schema cut to what a grammar needs: types, properties (in order), required,
     items and enums (BFCL writes them in descriptions as `[Enum]: [...]`); text dropped.
     `closed`: objects allow no property beyond the listed ones (arguments; the validator
-    rejects unknown ones), else extra keys stay allowed (response docs are incomplete)."""
+    rejects unknown ones), else extra keys stay allowed (response docs are incomplete).
+    `max_string`: free-text strings get this `maxLength`, so a looping string closes in time."""
     out: dict[str, Any] = {}
     kind = schema.get("type")
     if kind is not None:
@@ -132,7 +133,7 @@ def grammar_schema(schema: dict[str, Any], closed: bool) -> dict[str, Any]:
         except json.JSONDecodeError:
             enum = None
     if isinstance(schema.get("items"), dict):
-        out["items"] = grammar_schema(schema["items"], closed)
+        out["items"] = grammar_schema(schema["items"], closed, max_string)
     if isinstance(enum, list) and enum and all(isinstance(v, (str, int, float, bool)) for v in enum):
         if kind == "array" and "items" in out:
             out["items"].setdefault("enum", enum)  # "the list of doors ... [Enum]: [...]": the items' values
@@ -140,19 +141,28 @@ def grammar_schema(schema: dict[str, Any], closed: bool) -> dict[str, Any]:
             out["enum"] = enum
     props = schema.get("properties")
     if isinstance(props, dict):
-        out["properties"] = {name: grammar_schema(sub if isinstance(sub, dict) else {}, closed)
+        out["properties"] = {name: grammar_schema(sub if isinstance(sub, dict) else {}, closed, max_string)
                              for name, sub in props.items()}
         required = [r for r in schema.get("required", []) or [] if r in props]
         if required:
             out["required"] = required
     if kind == "object" and closed:
         out["additionalProperties"] = False
+    if kind == "string" and max_string is not None and "enum" not in out:
+        out["maxLength"] = max_string
     return out
+
+
+ACT_MAX_STRING = 160
+"""Characters allowed in one free-text argument of a constrained call. Greedy decoding of a
+small model can loop inside a string until the token budget ends with the JSON unterminated;
+capped, the string closes in time. 99.5% of the expert's string arguments are shorter
+(the rest are file contents of 200 to 6,700 characters, over any Act budget anyway)."""
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
     """`{"name": <this tool>, "arguments": <its parameters>}`, in the order `call_text` writes them."""
-    args = grammar_schema(tool.parameters or {"type": "object"}, closed=True)
+    args = grammar_schema(tool.parameters or {"type": "object"}, closed=True, max_string=ACT_MAX_STRING)
     args.setdefault("type", "object")
     args.setdefault("properties", {})
     return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": args},
