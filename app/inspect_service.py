@@ -241,6 +241,10 @@ class ProgressPolicy:
     def count_tokens(self, text: str) -> int:
         return self.inner.count_tokens(text)
 
+    def reset_cache(self) -> None:
+        if hasattr(self.inner, "reset_cache"):
+            self.inner.reset_cache()
+
     def _say(self, phase: str, text: str) -> None:
         if self.report is not None:
             self.report(self.PHASES[phase] + (0.15 if phase == "score" and self.scored else 0.0), text)
@@ -430,6 +434,9 @@ class RunSession:
 
     def reset(self, services: Services) -> None:
         self.close(services)
+        reset_cache = getattr(getattr(self.runner, "policy", None), "reset_cache", None)
+        if reset_cache is not None:
+            reset_cache()  # the model's cached prompt prefixes go with the episode
         self.runner, self.recorder, self.request, self.view_step = None, None, None, None
         self.stop_requested.clear()
 

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .constrain import mask_logits
+from .prefix_cache import PrefixCache
 
 
 @dataclass
@@ -124,17 +125,25 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 
 def prefill(
-    model: Any, seqs: Sequence[Sequence[int]], min_suffix: Sequence[int], keep: int, pad_id: int
+    model: Any, seqs: Sequence[Sequence[int]], min_suffix: Sequence[int], keep: int, pad_id: int,
+    prefix_cache: PrefixCache | None = None,
 ) -> Prefilled:
-    """Run the shared prefix once, then the suffixes batched; `min_suffix[i]` tokens of row i stay in the suffix."""
+    """Run the shared prefix once, then the suffixes batched; `min_suffix[i]` tokens of row i stay in the suffix.
+    With a `prefix_cache`, the shared prefix starts from the longest stored prefix of it, and is stored."""
     device = model.device
     batch = len(seqs)
     prefix_len = min(common_prefix_len(seqs), *(len(s) - m for s, m in zip(seqs, min_suffix)))
     prefix_len = max(prefix_len, 0)
     cache = new_cache(model.config)
+    if any(type(layer) is not _GrowingLayer for layer in cache.layers):
+        prefix_cache = None  # a sliding-window layer's cache cannot be cut at a position
     if prefix_len > 0:
-        prefix = torch.tensor([list(seqs[0][:prefix_len])], device=device)
+        prefix_ids = list(seqs[0][:prefix_len])
+        reused = prefix_cache.restore(prefix_ids, cache) if prefix_cache is not None else 0
+        prefix = torch.tensor([prefix_ids[reused:]], device=device)
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+        if prefix_cache is not None:
+            prefix_cache.store(prefix_ids, cache)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
 
@@ -201,6 +210,7 @@ def generate(
     max_new_tokens: int,
     eos_ids: set[int],
     pad_id: int,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[RowOutput]:
     """Decode all rows together until each hits EOS, a stop string, or `max_new_tokens`."""
     outputs = [RowOutput() for _ in rows]
@@ -215,7 +225,7 @@ def generate(
     done = [False] * batch
 
     with torch.inference_mode():
-        pre = prefill(model, [r.ids for r in rows], [1] * batch, keep=1, pad_id=pad_id)
+        pre = prefill(model, [r.ids for r in rows], [1] * batch, keep=1, pad_id=pad_id, prefix_cache=prefix_cache)
         cache, mask, positions = pre.cache, pre.attention_mask, pre.next_positions
         logits = pre.logits[:, -1, :]
         ones = torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)
@@ -270,6 +280,7 @@ def score(
     continuations: Sequence[Sequence[int]],
     pad_id: int,
     max_positions: int = 1024,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[list[float]]:
     """Log-probability of each continuation token after its prompt (forward only, shared prefix).
 
@@ -280,11 +291,11 @@ def score(
     chunk: list[int] = []
     for i in [i for i, c in enumerate(continuations) if c]:
         if chunk and (len(chunk) + 1) * (max(len(continuations[j]) for j in chunk + [i]) + 1) > max_positions:
-            _score_chunk(model, prompts, continuations, chunk, pad_id, results)
+            _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache)
             chunk = []
         chunk.append(i)
     if chunk:
-        _score_chunk(model, prompts, continuations, chunk, pad_id, results)
+        _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache)
     return results
 
 
@@ -295,13 +306,14 @@ def _score_chunk(
     rows: list[int],
     pad_id: int,
     results: list[list[float]],
+    prefix_cache: PrefixCache | None = None,
 ) -> None:
     seqs = [list(prompts[i]) + list(continuations[i]) for i in rows]
     # The token before each continuation must sit in the suffix: its logits predict the first one.
     min_suffix = [len(continuations[i]) + 1 for i in rows]
     keep = max(min_suffix)
     with torch.inference_mode():
-        pre = prefill(model, seqs, min_suffix, keep=keep, pad_id=pad_id)
+        pre = prefill(model, seqs, min_suffix, keep=keep, pad_id=pad_id, prefix_cache=prefix_cache)
         for row, i in enumerate(rows):
             cont = torch.tensor(continuations[i], device=pre.logits.device)
             n = len(cont)

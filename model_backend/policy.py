@@ -9,6 +9,7 @@ from .base import Generation, GenerationConfig, Prompt, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
+from .prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,8 @@ DEFAULT_CONTEXT_WINDOW = 8192
 class TransformersPolicy:
     """`Policy` over a transformers causal LM; batches internally over a shared prompt prefix."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """`prefix_cache_bytes`: memory for the KV of recent prompt prefixes (0: no cross-step cache)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -34,6 +36,12 @@ class TransformersPolicy:
         self.pad_id: int = pad if pad is not None else min(eos_ids)
         # One forward at a time: concurrent UI requests would only fight over the same cores.
         self._lock = threading.Lock()
+        self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+
+    def reset_cache(self) -> None:
+        """Forget cached prompt prefixes (an episode reset; results never depend on it)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def __repr__(self) -> str:
         return f"TransformersPolicy({self.name!r}, device={self.loaded.device}, adapter={self.loaded.adapter!r})"
@@ -63,7 +71,7 @@ class TransformersPolicy:
     def _generate(self, rows: list[Row], max_new_tokens: int) -> list[RowOutput]:
         budget = self._budget([len(r.ids) for r in rows], max_new_tokens)
         with self._lock:
-            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id)
+            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id, self.prefix_cache)
 
     def _matcher(self, prompt: Prompt) -> Any:
         """One grammar state per row (rows advance separately); None without a constraint."""
@@ -104,7 +112,7 @@ class TransformersPolicy:
         cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
         with self._lock:
-            return score(self.model, prompt_ids, cont_ids, self.pad_id)
+            return score(self.model, prompt_ids, cont_ids, self.pad_id, prefix_cache=self.prefix_cache)
 
     def reference_generate(self, prompt: Prompt, max_new_tokens: int) -> str:
         """Plain `model.generate` greedy text for one prompt (tests and the benchmark compare against it)."""

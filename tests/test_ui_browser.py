@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,11 @@ def test_step_annotate_and_find_it(served, page):
     task.fill(f"{TASK} ·")
     page.get_by_role("option", name=f"{TASK} ·").first.click()
     expect(page.locator(".message-wrap")).to_contain_text("final_report.pdf")
+    # The dropdown cuts the value to its width; hovering shows all of it.
+    task.hover()
+    full = task.input_value()
+    assert full.startswith(f"{TASK} ·") and len(full) > 40
+    expect(task).to_have_attribute("title", full)
 
     # Small, fast settings: 3 branches, the logprob selector (no judge pass), short generations.
     page.get_by_label("K (branches)").fill("3")
@@ -73,9 +79,14 @@ def test_step_annotate_and_find_it(served, page):
     page.get_by_label("Max rehearsal tokens").fill("48")
 
     status = page.locator(f"#{C.ID_RUN_STATUS}")
+    stop = page.locator(f"#{C.ID_RUN_STOP}")
     for n in (1, 2):
+        expect(stop).not_to_have_class(re.compile(r"\bstop\b"))  # neutral while idle
         page.get_by_role("button", name=C.STEP, exact=True).click()
+        if n == 1:
+            expect(stop).to_have_class(re.compile(r"\bstop\b"))  # red while the step runs
         expect(status).to_contain_text(f", {n} step(s)", timeout=STEP_TIMEOUT_MS)
+    expect(stop).not_to_have_class(re.compile(r"\bstop\b"))
     cards = page.locator(f"#{C.ID_CARDS} .ea-card")
     expect(cards.first).to_be_visible()
     counts = [cards.count()]

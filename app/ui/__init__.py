@@ -14,7 +14,7 @@ from app.inspect_service import Services
 from app.ui import constants as C
 from app.ui.annotate_callbacks import AnnotateCallbacks
 from app.ui.annotate_tab import build_annotate_tab
-from app.ui.assets import KEYBOARD_JS
+from app.ui.assets import HOVER_JS, KEYBOARD_JS
 from app.ui.dashboard_tab import build_dashboard_tab
 from app.ui.finetune_tab import build_finetune_tab
 from app.ui.run_tab import build_run_tab
@@ -46,6 +46,7 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
             with gr.Tab("Fine-tune", id="finetune") as finetune:
                 build_finetune_tab(services, finetune, run["adapter"], run["adapter_choices"])
         demo.load(None, js=KEYBOARD_JS)
+        demo.load(None, js=HOVER_JS)
         demo.load(AnnotateCallbacks.annotator_from_login, None, annotator, api_visibility="private")
         demo.load(run["adapter_choices"], None, run["adapter"], api_visibility="private")
     demo.queue(default_concurrency_limit=C.MODEL_CONCURRENCY, max_size=64)

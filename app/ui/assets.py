@@ -82,3 +82,17 @@ KEYBOARD_JS = f"""
   return [];
 }}
 """
+
+# Dropdowns cut long values (task ids with their first message, adapter paths) to the column's
+# width: hovering one shows the whole value as the browser's own tooltip.
+HOVER_JS = f"""
+() => {{
+  if (window.__envaceHover) return [];
+  window.__envaceHover = true;
+  document.addEventListener('mouseover', (e) => {{
+    const input = e.target.closest?.('.{C.CLASS_FULL_ON_HOVER} input');
+    if (input) input.title = input.value;
+  }});
+  return [];
+}}
+"""

@@ -29,17 +29,20 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                                               label="Filter: category")
                 task = gr.Dropdown(cb.task_choices(C.ALL, C.ALL), value=C.DEFAULT_TASK, filterable=True,
                                    allow_custom_value=True,  # unknown ids get our message, not a list of 800
-                                   label="Task", info="type to search ids and first messages")
+                                   label="Task", info="type to search ids and first messages",
+                                   elem_classes=[C.CLASS_FULL_ON_HOVER])
             with gr.Group(visible=False) as instruction_group:
                 instruction_env = gr.Dropdown(list(ENV_CLASSES), value=C.DEFAULT_INSTRUCTION_ENV,
                                               label="Environment for the instruction")
                 instruction = gr.Textbox(label="Instruction", lines=3,
                                          placeholder="e.g. List the files in the current directory.")
             model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
-                                info="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model>")
+                                info="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model>",
+                                elem_classes=[C.CLASS_FULL_ON_HOVER])
             shipped = shipped_adapter()  # the trained agent, when fixtures/ has it
             adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=shipped or C.NO_ADAPTER,
-                                  allow_custom_value=True, label="Adapter (LoRA)")
+                                  allow_custom_value=True, label="Adapter (LoRA)",
+                                  elem_classes=[C.CLASS_FULL_ON_HOVER])
             mode = gr.Radio(list(C.MODES), value=d["mode"], label="Rehearsal mode")
             with gr.Row():
                 branches = gr.Number(d["branches"], label="K (branches)", info="1-16")
@@ -60,7 +63,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 step_btn = gr.Button(C.STEP, variant="primary")
                 turn_btn = gr.Button(C.RUN_TURN)
                 all_btn = gr.Button(C.RUN_ALL)
-                stop_btn = gr.Button(C.STOP, variant="secondary")  # neutral: red read as "something is wrong"
+                # Neutral while idle (red read as "something is wrong"); red only while a run is active.
+                stop_btn = gr.Button(C.STOP, variant="secondary", elem_id=C.ID_RUN_STOP)
                 reset_btn = gr.Button(C.RESET)
             message = gr.HTML("", elem_id=C.ID_RUN_MESSAGE, css_template=VIEW_CSS)
             status = gr.Markdown(render.episode_status(None, "Press Step to start."), elem_id=C.ID_RUN_STATUS)
@@ -81,9 +85,11 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
-    step_btn.click(cb.step, [session], outputs, inputs_kwargs=form, api_name="step", **model_events)
-    turn_btn.click(cb.run_turn, [session], outputs, inputs_kwargs=form, api_name="run_turn", **model_events)
-    all_btn.click(cb.run_all, [session], outputs, inputs_kwargs=form, api_name="run_to_end", **model_events)
+    for button, run, name in ((step_btn, cb.step, "step"), (turn_btn, cb.run_turn, "run_turn"),
+                              (all_btn, cb.run_all, "run_to_end")):
+        button.click(lambda: gr.Button(variant="stop"), None, stop_btn, queue=False, api_visibility="private") \
+            .then(run, [session], outputs, inputs_kwargs=form, api_name=name, **model_events) \
+            .then(lambda: gr.Button(variant="secondary"), None, stop_btn, queue=False, api_visibility="private")
     # Stop must answer while a step holds a model slot: it gets its own, unlimited.
     stop_btn.click(cb.stop, [session], [message, status], api_name="stop", concurrency_limit=None,
                    concurrency_id="control")

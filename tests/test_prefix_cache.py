@@ -1,0 +1,106 @@
+"""The cross-step prefix cache: exact reuse of a stored prompt prefix's KV, bounded memory, and the
+same greedy text with and without it (prompts, then whole held-out episodes) on the real model."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from app import envs
+from app.agent_training import run_episode
+from app.config import SHIPPED_ADAPTER
+from app.records import RunSettings
+from model_backend import GenerationConfig, Prompt, load_policy
+from model_backend.decoding import new_cache
+from model_backend.prefix_cache import PrefixCache
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def policy() -> Any:
+    return load_policy("embedded")
+
+
+def kv_of(policy: Any, ids: list[int]) -> Any:
+    cache = new_cache(policy.model.config)
+    with torch.inference_mode():
+        policy.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def test_lookup_finds_the_longest_stored_prefix_and_restores_it_exactly(policy: Any) -> None:
+    ids = list(range(100, 160))
+    other = list(range(100, 130)) + list(range(500, 540))
+    cache = PrefixCache()
+    cache.store(ids[:40], kv_of(policy, ids[:40]))
+    cache.store(other, kv_of(policy, other))
+    assert len(cache) == 2
+    target = new_cache(policy.model.config)
+    assert cache.restore(ids, target) == 40  # the 40-token entry shares 40, the other only 30
+    full = kv_of(policy, ids)
+    for got, want in zip(target.layers, full.layers):
+        assert torch.allclose(got.keys, want.keys[..., :40, :], atol=1e-3, rtol=1e-3)
+        assert torch.allclose(got.values, want.values[..., :40, :], atol=1e-3, rtol=1e-3)
+    assert cache.stats.hits == 1 and cache.stats.reused_tokens == 40 and cache.stats.computed_tokens == 20
+
+    # At least one token is always left to compute, short prefixes are misses, an entry that is a
+    # prefix of a newer one is dropped, and the byte budget evicts the least recently used entry.
+    assert cache.restore(ids[:40], new_cache(policy.model.config)) == 39
+    assert cache.restore(list(range(100, 110)) + [7] * 20, new_cache(policy.model.config)) == 0
+    cache.store(ids, kv_of(policy, ids))
+    assert len(cache) == 2 and ids[:40] not in [list(k) for k in cache._entries]
+    small = PrefixCache(max_bytes=int(cache.nbytes * 0.9))
+    small.store(other, kv_of(policy, other))
+    small.store(ids, kv_of(policy, ids))
+    assert len(small) == 1 and small.restore(other, new_cache(policy.model.config)) == 30  # only `ids` is left
+    cache.clear()
+    assert len(cache) == 0 and cache.restore(ids, new_cache(policy.model.config)) == 0
+
+
+def test_growing_prompts_decode_the_same_with_and_without_the_cache(policy: Any) -> None:
+    system = "You are a helpful assistant that works in a file system. Answer briefly."
+    turns = ["List the files.", "Now open the largest one.", "Count its lines, then sort them."]
+    config = GenerationConfig(max_new_tokens=24)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    cached, plain = [], []
+    cache = policy.prefix_cache
+    assert cache is not None
+    cache.clear()
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        prompt = Prompt(list(messages))
+        cached.append(policy.act(prompt, 2, config))
+        policy.prefix_cache = None
+        try:
+            plain.append(policy.act(prompt, 2, config))
+        finally:
+            policy.prefix_cache = cache
+        messages.append({"role": "assistant", "content": cached[-1][0].text})
+    for with_cache, without in zip(cached, plain):
+        assert [g.text for g in with_cache] == [g.text for g in without]
+        for a, b in zip(with_cache, without):
+            assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-3)
+    assert cache.stats.hits >= len(turns) - 1 and cache.stats.reused_tokens > 100
+
+
+def test_held_out_episodes_are_the_same_with_and_without_the_cache() -> None:
+    """Act, Rehearse and scoring prompts of real episodes of the shipped agent, greedy (K=1), 3 held-out tasks."""
+    policy = load_policy("embedded", adapter=SHIPPED_ADAPTER)
+    settings = RunSettings(mode="parallel", branches=1, selector="logprob", shadow=False, max_steps_per_turn=3,
+                           max_action_tokens=48, max_rehearsal_tokens=48)
+    cache = policy.prefix_cache
+    for task_id in envs.list_tasks("multi_turn_base", "heldout")[:3]:
+        cache.clear()
+        with_cache = run_episode(task_id, policy, settings, max_turns=1)
+        reused = cache.stats.reused_tokens
+        policy.prefix_cache = None
+        try:
+            without = run_episode(task_id, policy, settings, max_turns=1)
+        finally:
+            policy.prefix_cache = cache
+        texts = [[(b.action_text, b.predicted_text) for b in s.branches] for s in with_cache.steps]
+        assert texts == [[(b.action_text, b.predicted_text) for b in s.branches] for s in without.steps]
+        assert len(with_cache.steps) >= 2
+    assert reused > 0
