@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
-           "bench_adapter.py"]
+           "bench_adapter.py", "bench_prefix_cache.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -76,6 +76,14 @@ def table() -> str:
             rows.append(f"| act with the shipped adapter, K={k}: tokens/s as loaded / merged (base) | "
                         f"{fmt(ad[f'adapter_k{k}_tok_s'])} / {fmt(ad[f'merged_k{k}_tok_s'])} "
                         f"({fmt(ad[f'base_k{k}_tok_s'])}) | |")
+    pc = load("prefix_cache")
+    for i, r in pc.get("by_step", {}).items():
+        rows.append(f"| step {i}, shipped adapter, parallel K={pc['k']}: cached / uncached prefix | "
+                    f"{fmt(r['cached_s'], ' s')} / {fmt(r['uncached_s'], ' s')} ({fmt(r['speedup'], 'x')}) | "
+                    f"{'>= 2x from step 3' if i == '3' else ''} |")
+    if pc.get("speedup_step3_on") is not None:
+        rows.append(f"| prefix cache speed-up, steps 3 and later (same decisions: {pc['same_decisions']}) | "
+                    f"{fmt(pc['speedup_step3_on'], 'x')} | >= 2x |")
     return "\n".join(rows)
 
 
