@@ -51,6 +51,14 @@ def canonical_call(call: Call) -> str:
     return canonical_json({"name": call.name, "arguments": call.arguments})
 
 
+def branch_key(kind: str, call: Call | None, text: str) -> str:
+    """What a branch does, for folding duplicate candidates and comparing committed actions: the
+    canonical call, or the kind and the text with whitespace runs folded (answers, parse errors)."""
+    if kind == "call" and call is not None:
+        return canonical_call(call)
+    return f"{kind}:{' '.join(text.split())}"
+
+
 def call_text(call: Call) -> str:
     """The call as the Act role writes it."""
     body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)

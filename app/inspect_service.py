@@ -22,10 +22,11 @@ from app import envs
 from app.config import DEFAULT_MODEL
 from app.envs.base import Task, TurnCheck
 from app.envs.bfcl_tasks import CLASS_SOURCES
-from app.formats import canonical_call, parse_action
+from app.engine import selection
+from app.formats import branch_key, parse_action
 from app.records import LABELS, MODES, Annotation, Episode, RunSettings, Step
 from app.store import Recorder, Store, StoreError
-from model_backend.base import supports_scoring
+from model_backend.base import RemoteCapabilityError
 
 log = logging.getLogger(__name__)
 
@@ -363,9 +364,11 @@ class RunSession:
         if report is not None:
             report(0.02, f"Loading model {request.model} (first step only)")
         inner = services.policy(request.model, request.adapter)
-        if request.settings.selector == "judge" and request.settings.mode != "none" and not supports_scoring(inner):
+        try:
+            selection.check_selector(inner, request.settings.selector, request.settings.mode)
+        except RemoteCapabilityError as exc:  # the CLI's wording names flags; the UI's names the control
             raise InputError("Selector judge needs prompt log-probabilities, which this model server does not "
-                             "return: pick the logprob or memory selector.")
+                             "return: pick the logprob or memory selector.") from exc
         policy = ProgressPolicy(inner)
         if self.runner is not None and self.episode.steps and not self.runner.done:
             self.close(services)
@@ -463,9 +466,7 @@ class RunSession:
 def committed_key(step: Step) -> str:
     """What a step did, for comparing two episodes: the committed call, answer or parse error."""
     b = step.chosen_branch
-    if b.kind == "call" and b.call is not None:
-        return canonical_call(b.call)
-    return f"{b.kind}:{' '.join(b.action_text.split())}"
+    return branch_key(b.kind, b.call, b.action_text)
 
 
 def first_difference(a: Episode, b: Episode) -> int | None:

@@ -1,7 +1,7 @@
 """Act and Rehearse training rows from traces: expert replays, self-training episodes, corrections.
 
 Every row's prompt is built by the engine's own functions (`act_prompt`, `rehearse_prompt`)
-over a history rebuilt exactly as `EpisodeRunner._commit` builds it, so a model trains on
+over a history rebuilt by the engine's own rule (`app.engine.history`), so a model trains on
 the very prompts it later sees. Expert traces are recorded as ordinary `Episode`s (the
 ground-truth calls executed in the real environment), so one replay serves all sources.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from app import envs
+from app.engine.history import committed_messages, turn_messages
 from app.envs.base import Task, Tool
 from app.formats import (HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
                          rehearse_target)
@@ -103,28 +104,6 @@ class StepView:
     """The tools available at the step."""
 
 
-def _open_turn(task: Task, turn: int, history: list[HistoryItem]) -> None:
-    """As `EpisodeRunner._open_turn`: the turn's user messages (BFCL's text for an empty miss_func turn)."""
-    messages = task.turns[turn] if turn < len(task.turns) else []
-    if not messages and task.extra.get("additional_function_prompt"):
-        messages = [{"role": "user", "content": task.extra["additional_function_prompt"]}]
-    for message in messages:
-        history.append(HistoryItem(role="user", content=message["content"], turn=turn))
-
-
-def _commit(branch: Branch, turn: int, history: list[HistoryItem]) -> None:
-    """As `EpisodeRunner._commit`, from the recorded branch instead of a live call."""
-    if branch.kind == "answer":
-        history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn))
-    elif branch.kind == "parse_error":
-        history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn))
-        history.append(HistoryItem(role="tool", content="", result=branch.actual, turn=turn))
-    else:
-        assert branch.call is not None
-        history.append(HistoryItem(role="assistant", content=call_text(branch.call), call=branch.call, turn=turn))
-        history.append(HistoryItem(role="tool", content="", result=branch.actual, turn=turn))
-
-
 def replay(episode: Episode, task: Task) -> Iterator[StepView]:
     """Walk an episode's steps, rebuilding the runner's history before each one."""
     env = envs.make_env(task)  # only for the tool list per turn; nothing is executed
@@ -135,9 +114,9 @@ def replay(episode: Episode, task: Task) -> Iterator[StepView]:
             turn += 1
             if hasattr(env, "set_turn"):
                 env.set_turn(turn)
-            _open_turn(task, turn, history)
+            history += turn_messages(task, turn)
         yield StepView(step, list(history), env.tools())
-        _commit(step.chosen_branch, step.turn, history)
+        history += committed_messages(step.chosen_branch, step.turn)
 
 
 # ---------------------------------------------------------------- rows

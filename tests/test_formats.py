@@ -122,3 +122,14 @@ def test_divergence_metrics():
     assert field_f1({"a": {"b": 1}}, {"a": {"b": 1}, "c": 2}) == pytest.approx(2 / 3)
     assert flatten({"a": []}) == [("/a", "[]")]
     assert canonical_json({"b": 1, "a": 2}) == canonical_json(json.loads('{"a": 2, "b": 1}'))
+
+
+def test_branch_key_is_the_canonical_call_or_the_folded_text() -> None:
+    from app.formats import branch_key
+
+    a = Call(name="ls", arguments={"a": True, "path": "x"})
+    b = Call(name="ls", arguments={"path": "x", "a": True})
+    assert branch_key("call", a, "anything") == branch_key("call", b, "else")  # argument order is not a difference
+    assert branch_key("call", a, "") != branch_key("call", Call(name="ls", arguments={"a": False, "path": "x"}), "")
+    assert branch_key("answer", None, "  Done,\n  thanks ") == branch_key("answer", None, "Done, thanks")
+    assert branch_key("answer", None, "Done") != branch_key("parse_error", None, "Done")

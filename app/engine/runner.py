@@ -17,9 +17,9 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import selection
 from app.envs.base import Environment, Task, Tool
-from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt,
-                         call_text, canonical_call, canonical_json, parse_action, parse_result,
-                         rehearse_prompt, rehearse_target)
+from app.engine.history import committed_messages, turn_messages
+from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key,
+                         canonical_json, parse_action, parse_result, rehearse_prompt, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError
 
@@ -114,12 +114,7 @@ class EpisodeRunner:
     def _open_turn(self) -> None:
         if hasattr(self.env, "set_turn"):
             self.env.set_turn(self.turn)  # miss_func: tools that appear at this turn
-        messages = self.task.turns[self.turn]
-        if not messages and self.task.extra.get("additional_function_prompt"):
-            # BFCL miss_func: an empty turn means "new tools arrived, carry on" (BFCL's own wording).
-            messages = [{"role": "user", "content": self.task.extra["additional_function_prompt"]}]
-        for message in messages:
-            self.history.append(HistoryItem(role="user", content=message["content"], turn=self.turn))
+        self.history += turn_messages(self.task, self.turn)
         self._turn_open, self._turn_steps, self._turn_executed = True, 0, []
 
     def _close_turn(self) -> None:
@@ -163,7 +158,7 @@ class EpisodeRunner:
         out: list[Branch] = []
         for gen in generations:
             parsed = parse_action(gen.text)
-            key = canonical_call(parsed.call) if parsed.call else f"{parsed.kind}:{gen.text.strip()}"
+            key = branch_key(parsed.kind, parsed.call, gen.text)
             if key in seen:
                 seen[key].duplicates += 1
                 continue
@@ -240,10 +235,10 @@ class EpisodeRunner:
         if not memory:
             return selection.choose(branches, "logprob"), 0
         gen = self.policy.act(self._act_prompt(tools_list, memory=memory), 1, self._act_config(index, 1))[0]
-        seen = {canonical_call(b.call) if b.call else f"{b.kind}:{b.action_text.strip()}": b for b in branches}
+        seen = {branch_key(b.kind, b.call, b.action_text): b for b in branches}
         new = self._branches([gen], start=len(branches), seen=seen)
         parsed = parse_action(gen.text)
-        key = canonical_call(parsed.call) if parsed.call else f"{parsed.kind}:{gen.text.strip()}"
+        key = branch_key(parsed.kind, parsed.call, gen.text)
         extra = 0
         if new:
             branches.extend(new)
@@ -317,23 +312,18 @@ class EpisodeRunner:
 
     def _commit(self, branch: Branch) -> int:
         """Execute the chosen action for real and extend the conversation; returns external calls."""
-        if branch.kind == "answer":
-            self.history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=self.turn))
-            return 0
+        external = 0
         if branch.kind == "parse_error":
             # The agent sees why its action failed, as a tool-calling API would answer it.
             error = {"error": f"could not parse the tool call: {branch.parse_error}"}
             branch.actual, branch.actual_error, branch.actual_source = error, True, "committed"
-            self.history.append(HistoryItem(role="assistant", content=branch.action_text.strip(), turn=self.turn))
-            self.history.append(HistoryItem(role="tool", content="", result=error, turn=self.turn))
-            return 0
-        result = self.env.call(branch.call.name, branch.call.arguments)
-        branch.actual, branch.actual_error, branch.actual_source = result.output, result.error, "committed"
-        self.history.append(HistoryItem(role="assistant", content=call_text(branch.call),
-                                        call=branch.call, turn=self.turn))
-        self.history.append(HistoryItem(role="tool", content="", result=result.output, turn=self.turn))
-        self._turn_executed.append((branch.call.name, branch.call.arguments, result.output))
-        return 1
+        elif branch.kind == "call":
+            result = self.env.call(branch.call.name, branch.call.arguments)
+            branch.actual, branch.actual_error, branch.actual_source = result.output, result.error, "committed"
+            self._turn_executed.append((branch.call.name, branch.call.arguments, result.output))
+            external = 1
+        self.history += committed_messages(branch, self.turn)
+        return external
 
     def _measure(self, branches: list[Branch]) -> None:
         """Divergence metrics, with `surprise` from one batched scoring pass."""

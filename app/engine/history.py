@@ -1,0 +1,32 @@
+"""The conversation the Act role reads: what a turn's opening and a committed branch add to it.
+
+One owner for the rule, used by the live runner (`EpisodeRunner`) and by the replay that
+rebuilds the history of a recorded episode for training rows (`training_data.replay`), so a
+model trains on exactly the history it acts on.
+"""
+from __future__ import annotations
+
+from app.envs import Task
+from app.formats import HistoryItem, call_text
+from app.records import Branch
+
+
+def turn_messages(task: Task, turn: int) -> list[HistoryItem]:
+    """The turn's user messages; BFCL's miss_func writes an empty turn for "new tools arrived, carry
+    on", whose text is the task's `additional_function_prompt`."""
+    messages = task.turns[turn] if turn < len(task.turns) else []
+    if not messages and task.extra.get("additional_function_prompt"):
+        messages = [{"role": "user", "content": task.extra["additional_function_prompt"]}]
+    return [HistoryItem(role="user", content=m["content"], turn=turn) for m in messages]
+
+
+def committed_messages(branch: Branch, turn: int) -> list[HistoryItem]:
+    """What a committed branch adds, its `actual` already set: an answer is one assistant message; a
+    call (or an unparseable one, answered with the parse error) is the assistant's text and the tool's result."""
+    if branch.kind == "answer":
+        return [HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn)]
+    if branch.kind == "call" and branch.call is not None:
+        said = HistoryItem(role="assistant", content=call_text(branch.call), call=branch.call, turn=turn)
+    else:
+        said = HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn)
+    return [said, HistoryItem(role="tool", content="", result=branch.actual, turn=turn)]
