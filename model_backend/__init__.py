@@ -9,16 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
                    supports_scoring)
-from .loading import (
-    AdapterError,
-    LoadedModel,
-    MissingModelError,
-    ModelSpec,
-    ModelSpecError,
-    load_model,
-    load_policy,
-    parse_spec,
-)
+from .factory import load_policy
+from .loading import AdapterError, LoadedModel, MissingModelError, load_model
+from .spec import ModelSpec, ModelSpecError, parse_spec
 
 if TYPE_CHECKING:
     from .policy import TransformersPolicy

