@@ -4,8 +4,10 @@ Kept free of torch so that the CLI and UI import fast; backends implement `Polic
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 
 @dataclass
@@ -115,3 +117,24 @@ class RemoteCapabilityError(RuntimeError):
 def supports_scoring(policy: object) -> bool:
     """False for a policy whose `score` cannot work (a server without prompt log-probabilities)."""
     return bool(getattr(policy, "supports_scoring", True))
+
+
+class Timings:
+    """Seconds spent per named phase, accumulated until `take()`: where a step's time goes
+    (the step benchmark reads it; nothing else depends on it)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def take(self) -> dict[str, float]:
+        """The phases so far, and start again."""
+        out, self.seconds = self.seconds, {}
+        return out

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .base import Timings
 from .constrain import mask_logits
 from .prefix_cache import PrefixCache
 
@@ -211,8 +212,11 @@ def generate(
     eos_ids: set[int],
     pad_id: int,
     prefix_cache: PrefixCache | None = None,
+    timings: Timings | None = None,
+    role: str = "generate",
 ) -> list[RowOutput]:
-    """Decode all rows together until each hits EOS, a stop string, or `max_new_tokens`."""
+    """Decode all rows together until each hits EOS, a stop string, or `max_new_tokens`.
+    `timings` gets `<role>.prefill` and `<role>.decode` seconds."""
     outputs = [RowOutput() for _ in rows]
     if max_new_tokens <= 0:
         return outputs
@@ -224,8 +228,10 @@ def generate(
     windows = [max((len(s.encode()) for s in row.stop), default=0) + 2 for row in rows]
     done = [False] * batch
 
-    with torch.inference_mode():
+    timings = timings or Timings()
+    with torch.inference_mode(), timings.phase(f"{role}.prefill"):
         pre = prefill(model, [r.ids for r in rows], [1] * batch, keep=1, pad_id=pad_id, prefix_cache=prefix_cache)
+    with torch.inference_mode(), timings.phase(f"{role}.decode"):
         cache, mask, positions = pre.cache, pre.attention_mask, pre.next_positions
         logits = pre.logits[:, -1, :]
         ones = torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)

@@ -5,7 +5,7 @@ import logging
 import threading
 from typing import Any
 
-from .base import Generation, GenerationConfig, Prompt, derive_seed
+from .base import Generation, GenerationConfig, Prompt, Timings, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
@@ -37,6 +37,8 @@ class TransformersPolicy:
         # One forward at a time: concurrent UI requests would only fight over the same cores.
         self._lock = threading.Lock()
         self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.timings = Timings()
+        """Seconds per phase (`act.tokenize`, `act.prefill`, `act.decode`, `rehearse.*`, `score.*`)."""
 
     def reset_cache(self) -> None:
         """Forget cached prompt prefixes (an episode reset; results never depend on it)."""
@@ -68,10 +70,11 @@ class TransformersPolicy:
             raise ValueError(f"prompt of {longest} tokens does not fit the {self.context_window}-token context")
         return min(max_new_tokens, self.context_window - longest)
 
-    def _generate(self, rows: list[Row], max_new_tokens: int) -> list[RowOutput]:
+    def _generate(self, rows: list[Row], max_new_tokens: int, role: str) -> list[RowOutput]:
         budget = self._budget([len(r.ids) for r in rows], max_new_tokens)
         with self._lock:
-            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id, self.prefix_cache)
+            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id, self.prefix_cache,
+                            self.timings, role)
 
     def _matcher(self, prompt: Prompt) -> Any:
         """One grammar state per row (rows advance separately); None without a constraint."""
@@ -85,21 +88,23 @@ class TransformersPolicy:
         """K candidates: row 0 greedy, rows 1..K-1 sampled with seeds derived from `config.seed`."""
         if k < 1:
             return []
-        ids = self.encode(prompt)
+        with self.timings.phase("act.tokenize"):
+            ids = self.encode(prompt)
         rows = [Row(ids, stop=config.stop, matcher=self._matcher(prompt))]
         rows += [
             Row(ids, config.temperature, config.top_p, derive_seed(config.seed, i), config.stop, self._matcher(prompt))
             for i in range(1, k)
         ]
-        outs = self._generate(rows, config.max_new_tokens)
+        outs = self._generate(rows, config.max_new_tokens, "act")
         return [self._to_generation(prompt.prefill, o, row.temperature > 0) for o, row in zip(outs, rows)]
 
     def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
         """One greedy continuation per prompt, all in one batch."""
         if not prompts:
             return []
-        rows = [Row(self.encode(p), stop=config.stop, matcher=self._matcher(p)) for p in prompts]
-        outs = self._generate(rows, config.max_new_tokens)
+        with self.timings.phase("rehearse.tokenize"):
+            rows = [Row(self.encode(p), stop=config.stop, matcher=self._matcher(p)) for p in prompts]
+        outs = self._generate(rows, config.max_new_tokens, "rehearse")
         return [self._to_generation(p.prefill, o, False) for p, o in zip(prompts, outs)]
 
     def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
@@ -108,10 +113,11 @@ class TransformersPolicy:
             raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         if not prompts:
             return []
-        prompt_ids = [self.encode(p) for p in prompts]
-        cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
+        with self.timings.phase("score.tokenize"):
+            prompt_ids = [self.encode(p) for p in prompts]
+            cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
-        with self._lock:
+        with self._lock, self.timings.phase("score.forward"):
             return score(self.model, prompt_ids, cont_ids, self.pad_id, prefix_cache=self.prefix_cache)
 
     def reference_generate(self, prompt: Prompt, max_new_tokens: int) -> str:

@@ -21,7 +21,7 @@ from app.engine.history import committed_messages, turn_messages
 from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key,
                          canonical_json, parse_action, parse_result, rehearse_prompt, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
-from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError
+from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError, Timings
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class EpisodeRunner:
         self.episode = Episode(id=episode_id or uuid.uuid4().hex[:12], task_id=task.id,
                                model=model or policy.name, adapter=adapter, settings=settings)
         self.history: list[HistoryItem] = []
+        self.timings = Timings()
+        """Seconds in tool execution per phase (`shadow`, `commit`); the model's own phases are the policy's."""
         self.turn = 0
         self._turn_open = False
         self._turn_steps = 0
@@ -220,8 +222,10 @@ class EpisodeRunner:
                 else:
                     chosen = selection.choose(branches, self.settings.selector)
         branches[chosen].chosen = True
-        shadow_calls = self._shadow(branches, chosen, tools)
-        external = self._commit(branches[chosen])
+        with self.timings.phase("shadow"):
+            shadow_calls = self._shadow(branches, chosen, tools)
+        with self.timings.phase("commit"):
+            external = self._commit(branches[chosen])
         self._measure(branches)
         return Step(index=index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
