@@ -49,11 +49,11 @@ def default_name() -> str:
 def adapter_dir(name: str | None, root: Path = ADAPTER_ROOT) -> Path:
     """`root/<name>` for a new adapter, or an InputError when the name is unusable or taken."""
     name = (name or "").strip()
-    if not NAME.match(name):
+    if not NAME.fullmatch(name):
         raise InputError(f"Adapter name {name!r} is not usable: use 1-80 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit (it becomes a directory name).")
     out = Path(root) / name
-    if out.exists():
+    if out.exists() or out.is_symlink():  # a link, even a dangling one, would write elsewhere
         raise InputError(f"{out} already exists: choose another adapter name.")
     return out
 
