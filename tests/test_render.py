@@ -71,3 +71,19 @@ def test_the_card_says_how_candidates_folded_and_flags_a_diverged_prediction() -
     assert html.count("prediction diverged") == 1 and html.count("prediction matched") == 1
     assert "null (no output: success)" in html
     assert f'title="{render.METRIC_HELP["surprise"]}"' in html
+
+
+def test_untrusted_text_cannot_become_markdown_markup() -> None:
+    from app.ui.render import md_code, md_fence, md_text
+
+    assert md_text("List my files, then sort them.") == "List my files, then sort them."  # prose unchanged
+    hostile = "<img src=x onerror=alert(1)> [a](javascript:x) ![i](http://t/p.png) **b** `c` &lt; $x$"
+    escaped = md_text(hostile)
+    for opener in ("<", "[", "`", "*", "&", "$"):
+        assert opener not in escaped.replace("\\" + opener, "")  # every opener is escaped
+    code = md_code("x `` y ` z")
+    assert code.startswith("```") and code.endswith("```") and "x `` y ` z" in code
+    assert md_code("`edge`") == "`` `edge` ``"
+    block = md_fence("a\n```\n<script>alert(1)</script>\n```", "json")
+    fence = block.split("\n")[0].removesuffix("json")
+    assert len(fence) == 4 and block.endswith("\n" + fence)  # the text's own ``` cannot close it

@@ -57,14 +57,18 @@ class AnnotateCallbacks:
             row, branch = self.services.store.get_branch(branch_id)
         except StoreError as exc:
             return (message_html(str(exc), "error"), "", "", "", None, "", "", "")
-        header = (f"**Branch {queue.pos + 1} of {len(queue.ids)}** · id {branch_id} · episode `{row['episode_id']}` "
-                  f"· step {row['step_idx']} · branch b{row['idx']} · task `{row['task_id']}` · mode {row['mode']}")
+        header = (f"**Branch {queue.pos + 1} of {len(queue.ids)}** · id {branch_id} · episode "
+                  f"{render.md_code(row['episode_id'])} · step {row['step_idx']} · branch b{row['idx']} · task "
+                  f"{render.md_code(row['task_id'])} · mode {render.md_text(str(row['mode']))}")
         existing = self.services.store.annotations(branch_id)
-        lines = [f"- {a['created_at'][:19]} · **{a['label'] or '(no label)'}** by {a['annotator']}"
-                 + (f" · corrected response `{render.short(json.loads(a['corrected_predicted']), 80)}`"
+        # Names, notes and corrections come from other people (and imported files): literal text only.
+        lines = [f"- {render.md_text(a['created_at'][:19])} · **{render.md_text(a['label'] or '(no label)')}** "
+                 f"by {render.md_text(a['annotator'])}"
+                 + (f" · corrected response {render.md_code(render.short(json.loads(a['corrected_predicted']), 80))}"
                     if a["corrected_predicted"] is not None else "")
-                 + (f" · corrected action `{render.short(a['corrected_action'], 80)}`" if a["corrected_action"] else "")
-                 + (f" · {a['note']}" if a["note"] else "") for a in existing]
+                 + (f" · corrected action {render.md_code(render.short(a['corrected_action'], 80))}"
+                    if a["corrected_action"] else "")
+                 + (f" · {render.md_text(' '.join(a['note'].split()))}" if a["note"] else "") for a in existing]
         existing_md = ("**Earlier annotations**\n" + "\n".join(lines)) if lines else "_No annotation yet._"
         return (message, header, '<div class="ea-cards">' + render.branch_card(branch, row["state_before"]) + "</div>", existing_md,
                 None, "", "", "")

@@ -2,13 +2,16 @@
 
 Everything here takes records and returns plain values (HTML strings, message dicts,
 table rows), so it is fast to test and to benchmark. HTML is escaped at every
-interpolation.
+interpolation, and text from models, tools, imports or other users that goes into Markdown
+(chat messages, headers) goes through `md_text`, `md_code` or `md_fence`: it shows as
+written and never becomes markup (a link, an image, a tag the sanitizer would keep).
 """
 from __future__ import annotations
 
 import difflib
 import html
 import json
+import re
 from typing import Any
 
 from deepdiff import DeepDiff
@@ -34,6 +37,34 @@ def pretty(value: Any, limit: int = PRE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 20] + "\n... (cut)"
 
 
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>&~|$#])")
+
+
+def md_text(text: str) -> str:
+    """Untrusted text for Markdown, shown literally: the characters that open markup (tags,
+    entities, links and images, emphasis, code, tables, maths, headings) are backslash-escaped
+    (CommonMark), so no element can form; ordinary prose passes unchanged."""
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def _fence_len(text: str, least: int) -> int:
+    return max([least] + [len(run) + 1 for run in re.findall(r"`+", text)])
+
+
+def md_code(text: str) -> str:
+    """Untrusted text as an inline code span, with a fence longer than any backtick run inside it."""
+    text = " ".join(text.split())
+    fence = "`" * _fence_len(text, 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""  # CommonMark strips one space each side
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_fence(text: str, lang: str = "") -> str:
+    """Untrusted text as a fenced code block that the text itself cannot close."""
+    fence = "`" * _fence_len(text, 3)
+    return f"{fence}{lang}\n{text}\n{fence}"
+
+
 def short(value: Any, limit: int = 90) -> str:
     text = value if isinstance(value, str) else canonical_json(value)
     text = " ".join(text.split())
@@ -54,15 +85,15 @@ def action_label(b: Branch) -> str:
 def _step_messages(step: Step) -> list[dict[str, Any]]:
     b = step.chosen_branch
     if b.kind == "answer":
-        return [{"role": "assistant", "content": b.action_text.strip()[:CHAT_CHARS]}]
+        return [{"role": "assistant", "content": md_text(b.action_text.strip()[:CHAT_CHARS])}]
     # Plain text labels (no emoji: a machine without an emoji font shows a broken box), and
     # ordinary messages, not collapsed metadata bubbles: the result is what a person reads.
     if b.kind == "parse_error":
         return [{"role": "assistant", "content": f"**Step {step.index} · unparseable action** "
-                 f"({short(b.parse_error or '', 60)})\n```\n{b.action_text.strip()[:CHAT_CHARS]}\n```"}]
+                 f"({md_text(short(b.parse_error or '', 60))})\n{md_fence(b.action_text.strip()[:CHAT_CHARS])}"}]
     outcome = "error" if b.actual_error else ("result: null (no output: success)" if b.actual is None else "result")
-    return [{"role": "assistant", "content": f"**Step {step.index} · tool call** `{action_label(b)}`  \n"
-             f"{outcome}:\n```json\n{pretty(b.actual, CHAT_CHARS)}\n```"}]
+    return [{"role": "assistant", "content": f"**Step {step.index} · tool call** {md_code(action_label(b))}  \n"
+             f"{outcome}:\n{md_fence(pretty(b.actual, CHAT_CHARS), 'json')}"}]
 
 
 def chat_messages(turns: list[list[dict[str, str]]], steps: list[Step], open_turn: int | None = None,
@@ -80,7 +111,7 @@ def chat_messages(turns: list[list[dict[str, str]]], steps: list[Step], open_tur
         by_turn.setdefault(s.turn, []).append(s)
     for t in range(last_turn + 1):
         for m in turns[t] if t < len(turns) else []:
-            messages.append({"role": "user", "content": m["content"]})
+            messages.append({"role": "user", "content": md_text(m["content"])})
         for s in by_turn.get(t, []):
             messages.extend(_step_messages(s))
     return messages
@@ -281,10 +312,10 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
     success = {None: "–", True: "yes", False: "no"}[ep.success]
     turns = ", ".join(f"t{t.turn + 1} {'✓' if t.success else '✗'}" for t in ep.turn_results) or "–"
     status = "in progress" if ep.status == "running" else ep.status  # "running" read as busy after a step
-    return (f"**Episode** `{ep.id}` · task `{ep.task_id}` · **{status}**, {len(ep.steps)} step(s) · "
+    return (f"**Episode** {md_code(ep.id)} · task {md_code(ep.task_id)} · **{status}**, {len(ep.steps)} step(s) · "
             f"external calls {ep.external_calls} · shadow {ep.shadow_calls} · rehearsals {ep.rehearsals} · "
             f"turns {turns} · success {success}  \n"
-            f"model `{ep.model}`{f' + `{ep.adapter}`' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
+            f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
             f"context {s.rehearsal_context} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
 
