@@ -278,6 +278,10 @@ class Services:
     def __init__(self, db_path: str, policy_loader: PolicyLoader | None = None) -> None:
         self.db_path = db_path
         self.store = Store(db_path)
+        interrupted = self.store.mark_interrupted()
+        if interrupted:  # a server killed mid-step left them "running"; their complete steps are kept
+            log.warning("%d episode(s) were interrupted by a stopped process: %s (continue or discard them in "
+                        "the Traces tab)", len(interrupted), ", ".join(interrupted))
         self.catalog = TaskCatalog()
         self._loader = policy_loader or _load_real_policy
         self._policies: dict[tuple[str, str | None], Any] = {}
@@ -321,6 +325,8 @@ class RunSession:
         self._busy = threading.Lock()
         self.notices: list[str] = []
         """Messages for the user from the last action (new episode, save retried...)."""
+        self.resumed = False
+        """A stored episode was just continued: the next Step carries on with it."""
 
     def __deepcopy__(self, memo: dict) -> RunSession:
         # gr.State deep-copies its default per session: a fresh run, never a shared one.
@@ -360,6 +366,9 @@ class RunSession:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
         if self.runner is not None and self.request is not None and self.request.key == request.key:
             return  # the same episode, finished or not (Reset starts a fresh one)
+        if self.resumed and self.runner is not None and not self.runner.done:
+            self.resumed, self.request = False, request  # the form now shows the continued episode
+            return
         task, judge = request.task()  # validates before anything loads or is written
         if report is not None:
             report(0.02, f"Loading model {request.model} (first step only)")
@@ -382,6 +391,34 @@ class RunSession:
                                     on_step=self._record, env=env, judge=judge)
         self.request = request
         self.view_step = None
+
+    def resume(self, services: Services, episode_id: str) -> RunRequest:
+        """Continue a stored episode that did not finish (interrupted, stopped or failed) in this
+        session: its calls run again on a fresh environment, then Step carries on from there."""
+        try:
+            ep = services.store.get_episode(episode_id)
+        except StoreError as exc:
+            raise InputError(str(exc)) from None
+        if ep.status == "finished":
+            raise InputError(f"Episode {ep.id} is finished: there is nothing to continue.")
+        if ep.status == "running":
+            raise InputError(f"Episode {ep.id} is running in another session (or a process that is still alive).")
+        if ep.task_id.startswith(INSTRUCTION_PREFIX):
+            raise InputError("An episode of a typed instruction cannot be continued: run the instruction again.")
+        request = RunRequest(task_id=ep.task_id, model=ep.model, adapter=ep.adapter, settings=ep.settings)
+        task, _ = request.task()
+        policy = ProgressPolicy(services.policy(request.model, request.adapter))
+        self.close(services)
+        from app.engine import EpisodeRunner
+
+        self.runner = EpisodeRunner.resume(ep, task, policy, on_step=self._record)
+        self.recorder, self.request, self.unjudged = Recorder(services.store), request, False
+        self.view_step, self.resumed = None, True
+        self._save(services)  # running again, written by this process
+        if self.runner.resume_mismatches:
+            self.notices.append(f"Continued, but the tools answered steps {self.runner.resume_mismatches} "
+                                "differently this time: the environment may differ from the recorded one.")
+        return request
 
     def step(self, services: Services, request: RunRequest, report: Report | None = None) -> Step | None:
         """One step (opening a new episode when needed); None when the episode is over."""
@@ -437,6 +474,7 @@ class RunSession:
 
     def reset(self, services: Services) -> None:
         self.close(services)
+        self.resumed = False
         reset_cache = getattr(getattr(self.runner, "policy", None), "reset_cache", None)
         if reset_cache is not None:
             reset_cache()  # the model's cached prompt prefixes go with the episode

@@ -157,7 +157,9 @@ class Episode(BaseModel):
     model: str
     adapter: str | None = None
     settings: RunSettings
-    status: Literal["running", "finished", "stopped", "failed"] = "running"
+    status: Literal["running", "finished", "stopped", "failed", "interrupted"] = "running"
+    """`interrupted`: the process writing it died mid-episode (found at the next start); its
+    complete steps are kept, and it can be continued or discarded."""
     success: bool | None = None
     turn_results: list[TurnResult] = Field(default_factory=list)
     external_calls: int = 0

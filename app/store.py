@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import sqlite3
 import threading
 from pathlib import Path
@@ -23,7 +25,23 @@ BUSY_TIMEOUT_S = 5.0
 SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
 METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
 ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str}
+ADDED_EPISODE_COLUMNS = {"writer": str}
+"""`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
+dead writer (the episode was interrupted) from a live one (another process is still at it)."""
+WRITER = f"{socket.gethostname()}:{os.getpid()}"
 """Branch columns newer than the first schema: added to an older database when it opens."""
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
 
 
 class StoreError(RuntimeError):
@@ -81,7 +99,7 @@ class Store:
             "selector": str, "seed": int, "temperature": float, "shadow": int, "rehearsal_context": str,
             "settings": str, "status": str, "success": int, "turn_results": str, "external_calls": int,
             "shadow_calls": int, "rehearsals": int, "n_steps": int, "created_at": str,
-            "finished_at": str, "error": str,
+            "finished_at": str, "error": str, **ADDED_EPISODE_COLUMNS,
         }, pk="id", if_not_exists=True, defaults={"n_steps": 0, "external_calls": 0,
                                                    "shadow_calls": 0, "rehearsals": 0})
         db["steps"].create({
@@ -98,10 +116,11 @@ class Store:
             "surprise": float, "chosen": int, "duplicates": int, **ADDED_BRANCH_COLUMNS,
         }, pk="id", foreign_keys=[("step_id", "steps", "id"), ("episode_id", "episodes", "id")],
             if_not_exists=True)
-        have = db["branches"].columns_dict
-        for name, kind in ADDED_BRANCH_COLUMNS.items():
-            if name not in have:
-                db["branches"].add_column(name, kind)
+        for table, added in (("branches", ADDED_BRANCH_COLUMNS), ("episodes", ADDED_EPISODE_COLUMNS)):
+            have = db[table].columns_dict
+            for name, kind in added.items():
+                if name not in have:
+                    db[table].add_column(name, kind)
         db["annotations"].create({
             "id": int, "branch_id": int, "label": str, "corrected_action": str,
             "corrected_predicted": str, "note": str, "annotator": str, "created_at": str,
@@ -130,7 +149,8 @@ class Store:
                    turn_results=_json([t.model_dump() for t in ep.turn_results]),
                    external_calls=ep.external_calls, shadow_calls=ep.shadow_calls,
                    rehearsals=ep.rehearsals, n_steps=len(ep.steps), created_at=ep.created_at,
-                   finished_at=ep.finished_at, error=ep.error)
+                   finished_at=ep.finished_at, error=ep.error,
+                   writer=WRITER if ep.status == "running" else None)
         row["shadow"] = int(row["shadow"])
         return row
 
@@ -243,6 +263,33 @@ class Store:
         return self._guard(write)
 
     # ---------------------------------------------------------------- reads
+
+    def mark_interrupted(self) -> list[str]:
+        """Running episodes whose writer died (a killed server or CLI on this host, or a writer from
+        before the column existed) become `interrupted`; their ids. Live writers are left alone."""
+        def write() -> list[str]:
+            found = []
+            for row in self.db.query("select id, writer from episodes where status = 'running'"):
+                host, _, pid = (row["writer"] or "").rpartition(":")
+                if row["writer"] and (host != socket.gethostname() or _alive(int(pid or 0))):
+                    continue  # another machine's (cannot tell) or a live process's
+                found.append(row["id"])
+            with self.db.atomic():
+                for episode_id in found:
+                    self.db["episodes"].update(episode_id, {"status": "interrupted", "writer": None})
+            return found
+        return self._guard(write)
+
+    def delete_episode(self, episode_id: str) -> None:
+        """Remove an episode with its steps, branches and their annotations (one transaction)."""
+        def write() -> None:
+            with self.db.atomic():
+                self.db.execute("delete from annotations where branch_id in "
+                                "(select id from branches where episode_id = ?)", [episode_id])
+                for table in ("branches", "steps"):
+                    self.db.execute(f"delete from {table} where episode_id = ?", [episode_id])
+                self.db.execute("delete from episodes where id = ?", [episode_id])
+        self._guard(write)
 
     def list_episodes(self, **filters: Any) -> list[dict[str, Any]]:
         """Episode rows, newest first; filters are column=value (None values ignored)."""

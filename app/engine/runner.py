@@ -58,6 +58,45 @@ class EpisodeRunner:
         self._rehearse_prompts: dict[int, Prompt] = {}
         self._predicted_valid: dict[int, bool] = {}
         self._state_before: dict[str, Any] = {}
+        self.resume_mismatches: list[int] = []
+        """Steps whose response differed when `resume` executed them again."""
+
+    @classmethod
+    def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
+               env: Environment | None = None, judge: Any = None) -> EpisodeRunner:
+        """Continue a recorded episode (an interrupted or stopped one) where it ended.
+
+        A fresh environment gets the committed calls again, in order (the tools are deterministic
+        given the same calls), the history is rebuilt by the same rule as live, and turns the
+        episode already judged keep their verdicts. `resume_mismatches` lists steps whose re-executed
+        response differs from the recorded one (a tool that is not deterministic).
+        """
+        runner = cls(task, policy, episode.settings, model=episode.model, adapter=episode.adapter,
+                     on_step=on_step, env=env, judge=judge, episode_id=episode.id)
+        runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
+        runner.resume_mismatches = []
+        judged = {t.turn for t in episode.turn_results}
+        steps = episode.steps
+        for i, step in enumerate(steps):
+            if not runner._turn_open:
+                runner.turn = step.turn
+                runner._open_turn()
+            branch = step.chosen_branch
+            if branch.kind == "call" and branch.call is not None:
+                result = runner.env.call(branch.call.name, branch.call.arguments)
+                runner._turn_executed.append((branch.call.name, branch.call.arguments, result.output))
+                if canonical_json(result.output) != canonical_json(branch.actual):
+                    runner.resume_mismatches.append(step.index)
+            runner.history += committed_messages(branch, step.turn)
+            runner._turn_steps += 1
+            last_of_turn = i == len(steps) - 1 or steps[i + 1].turn != step.turn
+            if last_of_turn and step.turn in judged:
+                # Judged again (same calls, same state) only to advance the judge's own gold replay;
+                # the recorded verdict stays.
+                runner.judge.check_turn(step.turn, runner.env, runner._turn_executed)
+                runner._turn_open = False
+                runner.turn = step.turn + 1
+        return runner
 
     # ------------------------------------------------------------ public loop
 

@@ -34,11 +34,11 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
     services = Services(db_path or default_db_path(), policy_loader)
     with gr.Blocks(title=C.TITLE, fill_width=True) as demo:
         gr.Markdown(INTRO)
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Run", id="run"):
                 run = build_run_tab(services)
             with gr.Tab("Traces", id="traces") as traces:
-                build_traces_tab(services, traces)
+                build_traces_tab(services, traces, run, tabs)
             with gr.Tab("Annotate", id="annotate") as annotate:
                 annotator = build_annotate_tab(services, annotate)
             with gr.Tab("Dashboard", id="dashboard") as dash:

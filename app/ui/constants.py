@@ -17,6 +17,8 @@ SOURCE_INSTRUCTION = "My instruction"
 SOURCES = (SOURCE_TASK, SOURCE_INSTRUCTION)
 ALL = "(all)"
 NO_ADAPTER = "(none)"
+CONTINUE = "Continue in Run tab"
+DISCARD = "Discard"
 SUCCESS_CHOICES = (ALL, "yes", "no", "unknown")
 DEFAULT_INSTRUCTION_ENV = "GorillaFileSystem"
 

@@ -46,6 +46,17 @@ def request_from_form(form: dict[str, Any]) -> RunRequest:
     return RunRequest(task_id=task_id, model=model, adapter=adapter, settings=settings)
 
 
+def form_from_request(request: RunRequest) -> dict[str, Any]:
+    """The Run tab's values that `request_from_form` reads back as `request` (continuing a stored episode)."""
+    s = request.settings
+    return {"source": C.SOURCE_TASK, "task": request.task_id, "model": request.model,
+            "adapter": request.adapter or C.NO_ADAPTER, "mode": s.mode, "branches": s.branches,
+            "selector": s.selector, "temperature": s.temperature, "seed": s.seed, "shadow": s.shadow,
+            "rehearsal_context": s.rehearsal_context, "tool_required": s.tool_choice == "required",
+            "constrain": s.constrain, "max_action_tokens": s.max_action_tokens,
+            "max_rehearsal_tokens": s.max_rehearsal_tokens}
+
+
 class RunCallbacks:
     def __init__(self, services: Services) -> None:
         self.services = services

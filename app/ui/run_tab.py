@@ -101,5 +101,5 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     category_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_visibility="private")
     for trigger in (task.change, source.change, instruction.blur):
         trigger(cb.preview, [session], [message, chat], inputs_kwargs=form, api_visibility="private")
-    return {"session": session, "chat": chat, "adapter": adapter, "form": form,
+    return {"session": session, "chat": chat, "adapter": adapter, "form": form, "outputs": outputs,
             "preview": cb.preview, "message": message, "adapter_choices": cb.adapter_choices}

@@ -14,7 +14,7 @@ from app.store import StoreError
 from app.trace_io import TraceFileError, export_episodes, import_records, read_trace_file
 from app.ui import constants as C
 from app.ui import render
-from app.ui.run_callbacks import message_html
+from app.ui.run_callbacks import RunCallbacks, form_from_request, message_html
 
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
@@ -94,6 +94,37 @@ class TracesCallbacks:
         step = ep.steps[i]
         chat = render.chat_messages(task_turns(ep.task_id, ep), ep.steps, upto=i)
         return chat, render.branch_cards(step), render.state_view(step)
+
+    def continue_episode(self, episode_id: str | None, session: Any, form_names: list[str]) -> tuple[Any, ...]:
+        """Carry on with an unfinished episode in the Run tab: (message, Run form values in
+        `form_names` order, the Run tab's view, the selected tab)."""
+        skip = (gr.skip(),) * (len(form_names) + 6 + 1)
+        try:
+            ep = self._load(episode_id)
+            request = session.resume(self.services, ep.id)
+        except InputError as exc:
+            return (message_html(str(exc), "error"), *skip)
+        values = form_from_request(request)
+        view = RunCallbacks(self.services).view(session, message_html(
+            f"Continuing episode {ep.id} after its {len(ep.steps)} step(s): press Step."
+            + "".join(f" {n}" for n in session.take_notices())))
+        return (message_html(f"Episode {ep.id} continues in the Run tab."),
+                *[values.get(name, gr.skip()) for name in form_names], *view, gr.Tabs(selected="run"))
+
+    def discard_episode(self, episode_id: str | None) -> str:
+        """Delete an episode that did not finish (interrupted, stopped or failed), with its annotations."""
+        try:
+            ep = self._load(episode_id)
+        except InputError as exc:
+            return message_html(str(exc), "error")
+        if ep.status in ("running", "finished"):
+            return message_html(f"Episode {ep.id} is {ep.status}: only an interrupted, stopped or failed "
+                                "episode can be discarded.", "error")
+        try:
+            self.services.store.delete_episode(ep.id)
+        except StoreError as exc:
+            return message_html(f"Nothing was deleted: {exc}", "error")
+        return message_html(f"Episode {ep.id} ({ep.status}, {len(ep.steps)} step(s)) discarded.")
 
     def compare(self, a_id: str | None, b_id: str | None) -> str:
         try:

@@ -1,6 +1,8 @@
 """The Traces tab: stored episodes in a table, one replayed read-only, two side by side."""
 from __future__ import annotations
 
+from typing import Any
+
 import gradio as gr
 
 from app.inspect_service import Services
@@ -10,7 +12,8 @@ from app.ui.assets import VIEW_CSS
 from app.ui.traces_callbacks import TracesCallbacks
 
 
-def build_traces_tab(services: Services, tab: gr.Tab) -> None:
+def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs: gr.Tabs) -> None:
+    """`run`: the Run tab's session, form and views (an unfinished episode continues there)."""
     cb = TracesCallbacks(services)
     opened = gr.State(None)  # the episode being replayed (this session only)
     with gr.Row():
@@ -31,6 +34,8 @@ def build_traces_tab(services: Services, tab: gr.Tab) -> None:
         with gr.Row():
             episode_id = gr.Dropdown([], label="Episode", allow_custom_value=True, scale=2)
             open_btn = gr.Button("Open", scale=1)
+            continue_btn = gr.Button(C.CONTINUE, scale=1)
+            discard_btn = gr.Button(C.DISCARD, scale=1, variant="stop")
         status = gr.Markdown(elem_id=C.ID_TRACES_STATUS)
         step_picker = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False)
         with gr.Row(equal_height=False):
@@ -66,6 +71,12 @@ def build_traces_tab(services: Services, tab: gr.Tab) -> None:
     table.select(cb.select_row, [table], episode_id, api_visibility="private").then(
         cb.open_episode, episode_id, [message, opened, status, step_picker, chat, cards, state_view],
         api_visibility="private")
+    names = list(run["form"])
+    continue_btn.click(lambda episode, session: cb.continue_episode(episode, session, names),
+                       [episode_id, run["session"]], [message, *run["form"].values(), *run["outputs"], tabs],
+                       api_visibility="private")
+    discard_btn.click(cb.discard_episode, episode_id, message, api_name="discard_episode").then(
+        cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
     step_picker.change(cb.show_step, [opened, step_picker], [chat, cards, state_view], api_name="replay_step")
     compare_btn.click(cb.compare, [left, right], comparison, api_name="compare_episodes")
     import_btn.click(cb.import_file, [upload, skip_existing], io_message, api_name="import_episodes").then(
