@@ -312,7 +312,7 @@ def _with_model(loaded: Any, model: Any) -> Any:
 def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data: dict[str, Any],
               metrics: dict[str, Any], result: Any, started: str, req: FinetuneRequest) -> int:
     config = {**asdict(req), "out": str(req.out), "parent": str(req.parent) if req.parent else None}
-    with store._lock, store.db.atomic():
+    with store._lock, store._atomic():
         store.db["adapters"].insert({"id": adapter_id, "path": str(out.resolve()), "parent": parent,
                                      "base_model": req.spec, "data": json.dumps(data),
                                      "metrics": json.dumps(metrics), "created_at": utcnow()})

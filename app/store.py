@@ -5,6 +5,7 @@ step. Rows are written from the records' own `model_dump()`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import socket
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import sqlite_utils
 
@@ -46,6 +47,10 @@ def _alive(pid: int) -> bool:
 
 class StoreError(RuntimeError):
     """A storage problem the user can act on (message says what to do)."""
+
+
+class StoreFullError(StoreError):
+    """The disk (or the database's size limit) is full: the write was rolled back."""
 
 
 class StoreLockedError(StoreError):
@@ -85,7 +90,32 @@ class Store:
                     raise StoreLockedError(
                         f"database {self.path} is locked by another writer (waited {BUSY_TIMEOUT_S:.0f} s); "
                         "nothing was written, retry when it is free") from exc
+                if "full" in str(exc):
+                    raise StoreFullError(f"database {self.path}: the disk is full; this write was rolled back "
+                                         "(everything saved before it is intact): free some space and retry") from exc
                 raise
+
+    @contextlib.contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """One write transaction, taken with BEGIN IMMEDIATE: a busy database is waited for (the
+        busy timeout) at the start. A deferred BEGIN would read first and then fail at once when
+        another writer holds the lock (SQLite does not wait to upgrade a read transaction)."""
+        conn = self.db.conn
+        if conn.in_transaction:  # nested: a savepoint inside the caller's transaction
+            with self.db.atomic():
+                yield
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.rollback()
+            raise
+        try:
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.rollback()
+            raise
 
     # ---------------------------------------------------------------- schema
 
@@ -157,14 +187,14 @@ class Store:
     def save_episode(self, ep: Episode) -> None:
         """Insert or update the episode row (not its steps)."""
         def write():
-            with self.db.atomic():
+            with self._atomic():
                 self.db["episodes"].upsert(self._episode_row(ep), pk="id")
         self._guard(write)
 
     def add_step(self, ep: Episode, step: Step) -> int:
         """Write one step with its branches and the episode's counters, in one transaction."""
         def write() -> int:
-            with self.db.atomic():
+            with self._atomic():
                 self.db["episodes"].upsert(self._episode_row(ep), pk="id")
                 return self._insert_step(ep.id, step)
         return self._guard(write)
@@ -192,7 +222,7 @@ class Store:
         """
         def write() -> tuple[list[str], list[str]]:
             imported, skipped = [], []
-            with self.db.atomic():
+            with self._atomic():
                 for ep, annotations in items:
                     if self.db["episodes"].count_where("id = ?", [ep.id]):
                         if skip_existing:
@@ -256,7 +286,7 @@ class Store:
         row = self._annotation_row(annotation)
 
         def write() -> int:
-            with self.db.atomic():
+            with self._atomic():
                 if not self.db["branches"].count_where("id = ?", [annotation.branch_id]):
                     raise StoreError(f"no branch with id {annotation.branch_id}")
                 return self.db["annotations"].insert(row).last_pk
@@ -274,7 +304,7 @@ class Store:
                 if row["writer"] and (host != socket.gethostname() or _alive(int(pid or 0))):
                     continue  # another machine's (cannot tell) or a live process's
                 found.append(row["id"])
-            with self.db.atomic():
+            with self._atomic():
                 for episode_id in found:
                     self.db["episodes"].update(episode_id, {"status": "interrupted", "writer": None})
             return found
@@ -283,7 +313,7 @@ class Store:
     def delete_episode(self, episode_id: str) -> None:
         """Remove an episode with its steps, branches and their annotations (one transaction)."""
         def write() -> None:
-            with self.db.atomic():
+            with self._atomic():
                 self.db.execute("delete from annotations where branch_id in "
                                 "(select id from branches where episode_id = ?)", [episode_id])
                 for table in ("branches", "steps"):

@@ -1,4 +1,7 @@
 import sqlite3
+import subprocess
+import threading
+import time
 
 import pytest
 
@@ -6,8 +9,8 @@ from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings,
 from app.store import ADDED_BRANCH_COLUMNS, Recorder, Store, StoreError, StoreLockedError
 
 
-def make_episode(n_steps: int = 2) -> Episode:
-    ep = Episode(id="ep1", task_id="mock:kv_0", model="scripted", settings=RunSettings())
+def make_episode(n_steps: int = 2, episode_id: str = "ep1") -> Episode:
+    ep = Episode(id=episode_id, task_id="mock:kv_0", model="scripted", settings=RunSettings())
     for i in range(n_steps):
         branches = [
             Branch(index=0, action_text="<tool_call>...", kind="call", call=Call(name="get", arguments={"key": "a"}),
@@ -124,3 +127,49 @@ def test_locked_database_loses_nothing(tmp_path, monkeypatch):
     recorder(ep, ep.steps[1])  # the lock is gone: both steps land, in order
     assert recorder.pending == []
     assert [s.index for s in store.get_episode("ep1").steps] == [0, 1]
+
+
+def test_a_writer_that_holds_the_lock_briefly_is_waited_for(tmp_path):
+    path = tmp_path / "t.db"
+    store = Store(path)
+    ep = make_episode(1)
+    blocker = sqlite3.connect(path, check_same_thread=False)
+    blocker.execute("BEGIN IMMEDIATE")
+    threading.Timer(1.0, blocker.rollback).start()  # another writer, done after a second
+    started = time.monotonic()
+    Recorder(store)(ep, ep.steps[0])  # waits on the busy timeout, then writes
+    assert time.monotonic() - started >= 0.9
+    assert [s.index for s in store.get_episode("ep1").steps] == [0]
+
+
+@pytest.fixture(params=["tmpfs", "page-limit"])
+def full_store(request, tmp_path):
+    """A store whose disk fills up: a real 512 KiB tmpfs (we are root), or SQLite's page limit."""
+    if request.param == "tmpfs":
+        where = tmp_path / "tiny"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        yield Store(where / "full.db")
+        subprocess.run(["umount", "-l", str(where)], check=False)
+    else:
+        store = Store(tmp_path / "limited.db")
+        store.db.execute("PRAGMA max_page_count = 120")
+        yield store
+
+
+def test_a_full_disk_is_a_clear_error_and_loses_no_earlier_data(full_store):
+    store = full_store
+    big = {"blob": "x" * 20_000}
+    saved = []
+    with pytest.raises(StoreError, match="full"):
+        for i in range(200):
+            ep = make_episode(1, episode_id=f"ep{i}")
+            ep.steps[0].state_before = {**big, "i": i}
+            store.add_step(ep, ep.steps[0])
+            saved.append(ep.id)
+    assert len(saved) >= 2
+    for episode_id in saved:  # every earlier step is intact and readable
+        assert store.get_episode(episode_id).steps[0].state_before["i"] == int(episode_id[2:])
+    assert store.db.execute("pragma integrity_check").fetchone()[0] == "ok"

@@ -1,0 +1,119 @@
+"""kill -9 in the middle of work, with real processes and the real embedded model.
+
+The server (`python -m app serve`) is killed while a step runs: after a restart the database
+passes `PRAGMA integrity_check`, the episode keeps only its complete steps and is marked
+interrupted. A fine-tune (`python -m app finetune`) is killed while it trains: no adapter is
+registered and its output directory does not exist.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app.inspect_service import Services
+from app.records import Annotation
+from app.store import Store
+from fake_openai import free_port
+from test_training import mock_episode
+from test_ui_api import form
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
+
+
+def wait_for(check, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process exited ({proc.returncode}): {log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+def integrity(db: Path) -> str:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("pragma integrity_check").fetchone()[0]
+
+
+def test_a_server_killed_mid_step_leaves_a_sound_database_and_an_interrupted_episode(tmp_path: Path) -> None:
+    from gradio_client import Client
+
+    db, log, port = tmp_path / "kill.db", tmp_path / "serve.log", free_port()
+    proc = start(["serve", "--db", str(db), "--port", str(port), "--host", "127.0.0.1"], log)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_for(lambda: _answers(url), 180, proc, log)
+        client = Client(url, verbose=False)
+        values = form(task="bfcl:multi_turn_base_0", max_action_tokens=48, max_rehearsal_tokens=48, branches=2,
+                      selector="logprob")
+        client.predict(**values, api_name="/step")  # one complete step (the model loads first)
+        store = Store(db)
+        [row] = store.list_episodes()
+        assert row["n_steps"] == 1 and row["status"] == "running"
+        threading.Thread(target=lambda: _quietly(client.predict, **values, api_name="/step"), daemon=True).start()
+        time.sleep(3)  # the second step is deciding: Act and Rehearse take several seconds
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert integrity(db) == "ok"
+    services = Services(str(db))  # the next start
+    ep = services.store.get_episode(row["id"])
+    assert ep.status == "interrupted" and len(ep.steps) == 1  # the half-made step is nowhere
+    assert [s.index for s in ep.steps] == [0] and ep.steps[0].chosen_branch.chosen
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _quietly(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception:
+        pass  # the server is gone: that is the point
+
+
+def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> None:
+    db, log, out = tmp_path / "ft.db", tmp_path / "ft.log", tmp_path / "adapters" / "killed"
+    store = Store(db)
+    _, _, ep = mock_episode(store=store)
+    branch_ids = [r["id"] for r in store.branch_rows(ep.id) if r["kind"] == "call"]
+    for branch_id in branch_ids[:3]:
+        store.add_annotation(Annotation(branch_id=branch_id, label="major", corrected_predicted={"ok": False}))
+    proc = start(["finetune", "--db", str(db), "--steps", "10000", "--out", str(out), "--parent", "none",
+                  "--no-agreement"], log)
+    try:
+        wait_for(lambda: "step" in log.read_text().lower() or "train" in log.read_text().lower(), 240, proc, log)
+        time.sleep(5)  # well inside the 10,000 steps
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert integrity(db) == "ok"
+    assert store.db["adapters"].count == 0
+    assert not out.exists()
+    leftovers = [p for p in out.parent.iterdir()] if out.parent.exists() else []
+    assert all(not (p / "adapter_config.json").exists() for p in leftovers)
