@@ -88,8 +88,8 @@ def test_growing_prompts_decode_the_same_with_and_without_the_cache(policy: Any)
 def test_held_out_episodes_are_the_same_with_and_without_the_cache() -> None:
     """Act, Rehearse and scoring prompts of real episodes of the shipped agent, greedy (K=1), 3 held-out tasks."""
     policy = load_policy("embedded", adapter=SHIPPED_ADAPTER)
-    settings = RunSettings(mode="parallel", branches=1, selector="logprob", shadow=False, max_steps_per_turn=3,
-                           max_action_tokens=48, max_rehearsal_tokens=48)
+    settings = RunSettings(mode="parallel", branches=1, selector="logprob", shadow=False, max_steps_per_turn=2,
+                           max_action_tokens=40, max_rehearsal_tokens=40)
     cache = policy.prefix_cache
     for task_id in envs.list_tasks("multi_turn_base", "heldout")[:3]:
         cache.clear()
