@@ -1,0 +1,119 @@
+"""Eight people on one server: eight real browser contexts (Chromium), each on its own task, each
+pressing Step twice at once, with the real embedded model behind Gradio's queue.
+
+Checked: each page shows only its own episode; every episode in SQLite is complete (steps
+numbered without gaps, one committed branch per step); a second press while a step runs is
+refused or queued, never a second episode. Queue waits (time from the press to the step's
+result, less the step's own duration) go to bench/results/reliability.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app import envs
+from app.config import shipped_adapter
+from app.ui import build_demo
+from app.ui import constants as C
+
+CHROMIUM = "/usr/bin/chromium"
+CONTEXTS = 8
+STEPS = 1
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "reliability.json"
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def drive(url: str, task_id: str, out: dict, errors: list) -> None:
+    """One person: open the page, pick a task, small budgets, press Step twice at once, wait."""
+    from playwright.sync_api import expect, sync_playwright
+
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM,
+                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(120_000)
+            page.goto(url)
+            task = page.get_by_label("Task", exact=True)
+            task.click()
+            task.fill(f"{task_id} ·")
+            page.get_by_role("option", name=f"{task_id} ·").first.click()
+            page.get_by_label("none", exact=True).check()  # no rehearsal: the queue is what is under test
+            page.get_by_text("Advanced").click()
+            page.get_by_label("Selector").click()
+            page.get_by_role("option", name="logprob").click()
+            page.get_by_label("Max action tokens").fill("8")
+            page.get_by_label("Max rehearsal tokens").fill("8")
+            status = page.locator(f"#{C.ID_RUN_STATUS}")
+            step = page.get_by_role("button", name=C.STEP, exact=True)
+            latencies = []
+            for n in range(1, STEPS + 1):
+                pressed = time.monotonic()
+                step.click()
+                if n == 1:
+                    step.click()  # an impatient second press while the first step runs
+                expect(status).to_contain_text(f", {n} step(s)", timeout=600_000)
+                latencies.append(time.monotonic() - pressed)
+            text = ""
+            while text != status.inner_text():  # a queued extra press may still be running: let it land
+                text = status.inner_text()
+                page.wait_for_timeout(4000)
+            out[task_id] = {"episode": re.search(r"Episode\s+`?(\w+)", text).group(1),
+                            "shown_steps": int(re.search(r"(\d+) step\(s\)", text).group(1)),
+                            "latencies": latencies}
+            browser.close()
+    except Exception as exc:  # reported by the test, with the task it happened on
+        errors.append(f"{task_id}: {exc}")
+
+
+def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -> None:
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: run `make browser-deps` (apt-get install chromium)")
+    demo = build_demo(db_path=str(tmp_path / "eight.db"))
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    demo.services.policy("embedded", shipped_adapter())  # the Run tab's default, loaded before the crowd arrives
+    tasks = envs.list_tasks("multi_turn_base", "heldout")[:CONTEXTS]
+    out: dict = {}
+    errors: list = []
+    try:
+        threads = [threading.Thread(target=drive, args=(url, t, out, errors)) for t in tasks]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - started
+    finally:
+        demo.close()
+    assert errors == []
+    store = demo.services.store
+    rows = store.list_episodes()
+    assert sorted(r["task_id"] for r in rows) == sorted(tasks)  # one episode per person: no double press made two
+    waits, durations = [], []
+    for task_id, seen in out.items():
+        ep = store.get_episode(seen["episode"])
+        assert ep.task_id == task_id  # the page shows its own episode, not a neighbour's
+        assert len(ep.steps) == seen["shown_steps"] >= STEPS  # a queued extra press adds a step, never a gap
+        assert [s.index for s in ep.steps] == list(range(len(ep.steps)))
+        assert all(sum(b.chosen for b in s.branches) == 1 for s in ep.steps)
+        for latency, s in zip(seen["latencies"], ep.steps):
+            durations.append(s.duration_s)
+            waits.append(max(0.0, latency - s.duration_s))
+    waits.sort()
+    figures = {"contexts": CONTEXTS, "steps_each": STEPS, "wall_s": round(wall, 1),
+               "step_s_p50": round(statistics.median(durations), 2),
+               "queue_wait_s_p50": round(statistics.median(waits), 2),
+               "queue_wait_s_p95": round(waits[int(0.95 * (len(waits) - 1))], 2)}
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data["concurrent_sessions"] = figures
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+    print(figures)
