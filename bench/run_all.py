@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
-           "bench_adapter.py", "bench_prefix_cache.py"]
+           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -80,6 +80,11 @@ def table() -> str:
             rows.append(f"| act with the shipped adapter, K={k}: tokens/s as loaded / merged (base) | "
                         f"{fmt(ad[f'adapter_k{k}_tok_s'])} / {fmt(ad[f'merged_k{k}_tok_s'])} "
                         f"({fmt(ad[f'base_k{k}_tok_s'])}) | |")
+    load_run = load("reliability").get("load")
+    if load_run:
+        rows.append(f"| read-only endpoints, {load_run['clients']} clients for {fmt(load_run['seconds'], ' s')}: "
+                    f"error rate / p50 / p95 | {fmt(load_run['error_rate'])} / {fmt(load_run['latency_s_p50'], ' s')} / "
+                    f"{fmt(load_run['latency_s_p95'], ' s')} ({fmt(load_run['requests_per_s'])} requests/s) | |")
     pc = load("prefix_cache")
     for i, r in pc.get("by_step", {}).items():
         rows.append(f"| step {i}, shipped adapter, parallel K={pc['k']}: cached / uncached prefix | "

@@ -75,7 +75,7 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
     continue_btn.click(lambda episode, session: cb.continue_episode(episode, session, names),
                        [episode_id, run["session"]], [message, *run["form"].values(), *run["outputs"], tabs],
                        api_visibility="private")
-    discard_btn.click(cb.discard_episode, episode_id, message, api_name="discard_episode").then(
+    discard_btn.click(cb.discard_episode, episode_id, message, api_visibility="private").then(
         cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
     step_picker.change(cb.show_step, [opened, step_picker], [chat, cards, state_view], api_name="replay_step")
     compare_btn.click(cb.compare, [left, right], comparison, api_name="compare_episodes")
