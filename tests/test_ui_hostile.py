@@ -88,6 +88,19 @@ def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_pat
             page.get_by_role("button", name="Load queue").click()
             expect(page.get_by_text("Branch 1 of")).to_be_visible()
             assert_inert(page, dialogs)
+            # An annotation whose name, note and corrected action are hostile: shown back as text.
+            page.get_by_label("Annotator").fill(SHADOW_KEY)
+            page.get_by_label("Corrected action").fill(HOSTILE)
+            page.get_by_label("Note").fill(HOSTILE)
+            page.locator(f"#{C.ID_ANN_SAVE}").click()
+            expect(page.locator(f"#{C.ID_ANN_MESSAGE}")).to_contain_text("Saved annotation")
+            page.get_by_role("button", name=C.PREV).click()
+            expect(page.get_by_text("Earlier annotations")).to_be_visible()
+            assert_inert(page, dialogs)
+
+            page.get_by_role("tab", name="Fine-tune").click()  # its preview lists the corrected branch
+            page.wait_for_timeout(2500)
+            assert_inert(page, dialogs)
 
             page.get_by_role("tab", name="Dashboard").click()
             page.get_by_role("button", name="Refresh").click()
