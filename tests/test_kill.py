@@ -35,6 +35,13 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
 
 
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group (no handler runs, nothing is flushed), and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 def wait_for(check, timeout: float, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -67,11 +74,8 @@ def test_a_server_killed_mid_step_leaves_a_sound_database_and_an_interrupted_epi
         assert row["n_steps"] == 1 and row["status"] == "running"
         threading.Thread(target=lambda: _quietly(client.predict, **values, api_name="/step"), daemon=True).start()
         time.sleep(3)  # the second step is deciding: Act and Rehearse take several seconds
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill(proc)
     assert integrity(db) == "ok"
     services = Services(str(db))  # the next start
     ep = services.store.get_episode(row["id"])
@@ -107,11 +111,8 @@ def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> No
     try:
         wait_for(lambda: "step" in log.read_text().lower() or "train" in log.read_text().lower(), 240, proc, log)
         time.sleep(5)  # well inside the 10,000 steps
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill(proc)
     assert integrity(db) == "ok"
     assert store.db["adapters"].count == 0
     assert not out.exists()

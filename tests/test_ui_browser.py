@@ -8,16 +8,15 @@ screenshot the README shows.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from app.ui import build_demo
+from browser import launch
 from app.ui import constants as C
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "screenshot-run.png"
 STEP_TIMEOUT_MS = 240_000
@@ -30,8 +29,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: run `make browser-deps` (apt-get install chromium)")
     db = tmp_path_factory.mktemp("browser") / "browser.db"
     demo = build_demo(db_path=str(db))  # the real embedded model, loaded on the first Step
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)  # first free port
@@ -44,8 +41,7 @@ def page(served):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = launch(p)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         page.set_default_timeout(30_000)
         yield page

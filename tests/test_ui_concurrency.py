@@ -9,7 +9,6 @@ result, less the step's own duration) go to bench/results/reliability.json.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import threading
@@ -21,9 +20,9 @@ import pytest
 from app import envs
 from app.config import shipped_adapter
 from app.ui import build_demo
+from browser import launch
 from app.ui import constants as C
 
-CHROMIUM = "/usr/bin/chromium"
 CONTEXTS = 8
 STEPS = 1
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "reliability.json"
@@ -37,8 +36,7 @@ def drive(url: str, task_id: str, out: dict, errors: list) -> None:
 
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = launch(p)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(120_000)
             page.goto(url)
@@ -75,8 +73,6 @@ def drive(url: str, task_id: str, out: dict, errors: list) -> None:
 
 
 def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -> None:
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: run `make browser-deps` (apt-get install chromium)")
     demo = build_demo(db_path=str(tmp_path / "eight.db"))
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
     demo.services.policy("embedded", shipped_adapter())  # the Run tab's default, loaded before the crowd arrives

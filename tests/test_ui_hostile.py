@@ -5,16 +5,15 @@ store keeps them byte for byte. The policy is scripted, because the hostile text
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from app.envs import MOCK_TASK_ID
 from app.ui import build_demo
+from browser import launch
 from app.ui import constants as C
 from scripted import ScriptedPolicy
 
-CHROMIUM = "/usr/bin/chromium"
 HOSTILE = ('<script>window.__pwned="script"</script><img src=x onerror="window.__pwned=\'img\';alert(1)">'
            "[click me](javascript:window.__pwned='link') <svg onload=\"window.__pwned='svg'\"></svg>"
            "<iframe src=\"javascript:alert(3)\"></iframe> \u202eevil\u202c \u200b\u0007 end")
@@ -42,16 +41,13 @@ def assert_inert(page, dialogs: list[str]) -> None:
 
 
 def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_path) -> None:
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: run `make browser-deps` (apt-get install chromium)")
     from playwright.sync_api import expect, sync_playwright
 
     demo = build_demo(db_path=str(tmp_path / "hostile.db"), policy_loader=loader)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = launch(p)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             page.set_default_timeout(60_000)
             dialogs: list[str] = []

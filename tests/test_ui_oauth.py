@@ -4,13 +4,12 @@ empty for a typed name. Gradio's local mock of the OAuth routes stands in for hf
 `whoami` call (the one network access) replaced by a fixed profile."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from app.ui import build_demo
+from browser import launch
 
-CHROMIUM = "/usr/bin/chromium"
 USER = "ada-lovelace"
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -23,8 +22,6 @@ def mocked_oauth_info() -> dict:
 
 
 def test_the_spaces_login_names_the_annotator(tmp_path, monkeypatch) -> None:
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: run `make browser-deps` (apt-get install chromium)")
     from gradio import oauth
     from playwright.sync_api import expect, sync_playwright
 
@@ -34,8 +31,7 @@ def test_the_spaces_login_names_the_annotator(tmp_path, monkeypatch) -> None:
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM,
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = launch(p)
             page = browser.new_page()
             page.set_default_timeout(30_000)
             page.goto(url)
