@@ -366,8 +366,12 @@ class RunSession:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
         if self.runner is not None and self.request is not None and self.request.key == request.key:
             return  # the same episode, finished or not (Reset starts a fresh one)
-        if self.resumed and self.runner is not None and not self.runner.done:
-            self.resumed, self.request = False, request  # the form now shows the continued episode
+        if (self.resumed and self.runner is not None and not self.runner.done and self.request is not None
+                and (request.task_id, request.model, request.adapter)
+                == (self.request.task_id, self.request.model, self.request.adapter)):
+            # The form shows the continued episode (settings a form cannot express, such as a CLI
+            # run's step budget, are the episode's); another task or model starts a new one.
+            self.resumed, self.request = False, request
             return
         task, judge = request.task()  # validates before anything loads or is written
         if report is not None:

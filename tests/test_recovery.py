@@ -119,3 +119,18 @@ def test_continue_and_discard_from_the_traces_tab(tmp_path: Path) -> None:
     assert "discarded" in traces.discard_episode(stopped.episode.id)
     assert [r["id"] for r in services.store.list_episodes()] == [ep.id]
     assert services.store.annotations(branch_id) == []
+
+
+def test_after_continue_another_task_in_the_form_starts_a_new_episode(tmp_path: Path) -> None:
+    db = tmp_path / "ui.db"
+    cut = runner_after(3, Store(db))
+    cut.stop()
+    Store(db).save_episode(cut.episode)
+    services = Services(str(db), policy_loader=loader)
+    session = RunSession()
+    request = session.resume(services, cut.episode.id)
+    other = request.__class__(task_id="bfcl:multi_turn_base_0", model=request.model, adapter=request.adapter,
+                              settings=request.settings)
+    session.ensure_runner(services, other)
+    assert session.episode.id != cut.episode.id and session.episode.task_id == "bfcl:multi_turn_base_0"
+    assert services.store.get_episode(cut.episode.id).status == "stopped"  # the continued one is saved, not lost
