@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 from app import envs
 from app.divergence import aggregate, compare
 from app.engine import EpisodeRunner
-from app.engine.oracle import ORACLE, BestOfKRunner, call_matches, oracle_settings
+from app.engine.oracle import call_matches, oracle_settings
 from app.envs.base import Task
 from app.formats import REHEARSE_STOP, canonical_json, parse_result
 from app.records import Episode, Metrics, RunSettings, utcnow
@@ -159,8 +159,7 @@ def run_episode(task: Task, policy: Any, settings: RunSettings, store: Store, *,
         if on_step is not None:
             on_step(ep)
 
-    runner_cls = BestOfKRunner if settings.selector == ORACLE else EpisodeRunner
-    runner = runner_cls(task, policy, settings, model=model, adapter=adapter, on_step=record)
+    runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, on_step=record)
     recorder.start(runner.episode)
     try:
         while not runner.done and (max_turns is None or runner.turn < max_turns):

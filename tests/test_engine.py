@@ -201,3 +201,40 @@ def test_same_seed_same_episode():
         steps = episode_json(r.run_all())["steps"]
         return [{k: v for k, v in s.items() if k != "duration_s"} for s in steps]
     assert run_once() == run_once()
+
+
+# ---------------------------------------------------------------- strategy tables
+
+
+def test_the_tables_name_exactly_the_settings_the_product_offers():
+    from app.engine import strategies
+    from app.records import MODES, SELECTORS
+    assert set(strategies.MODE_TABLE) == set(MODES)
+    assert set(strategies.SELECTOR_TABLE) == set(SELECTORS) | {"oracle"}  # oracle: evaluation only
+    assert all(name == s.name for name, s in strategies.SELECTOR_TABLE.items())
+
+
+def test_a_rehearser_passed_in_replaces_the_models_prediction():
+    # A fork-executing rehearser under the logprob selector: every candidate runs on its own fork
+    # (counted as the agent's external calls), nothing is predicted, the episode state sees only the commit.
+    from app.engine.rehearsers import ForkRehearser
+    task = envs.load_task("mock:kv")
+    policy = ScriptedPolicy([[call("set", key="a", value=1), call("delete", key="size"), call("get", key="size")]])
+    r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=3, selector="logprob", shadow=False),
+                      rehearser=ForkRehearser())
+    step = r.step()
+    assert policy.rehearse_calls == []
+    assert step.chosen == 0 and step.chosen_branch.actual_source == "committed"
+    assert step.chosen_branch.shadow_state_after is None  # committed: state_after shows it
+    delete = step.branches[1]
+    assert delete.actual_source == "shadow" and delete.shadow_state_after == {"MockKV": {"store": {}}}
+    assert (step.external_calls, step.shadow_calls, step.rehearsals) == (3, 0, 0)
+    assert r.env.state()["MockKV"]["store"] == {"size": "L", "a": 1}
+
+
+def test_step_scratch_state_does_not_outlive_the_step():
+    r, _ = runner([[call("set", key="a", value=1), call("get", key="size")], ["Done."]])
+    before = set(vars(r))
+    r.step()
+    r.step()
+    assert set(vars(r)) == before  # prompts, forks and the dedup table live in the step's context

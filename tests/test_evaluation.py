@@ -11,7 +11,9 @@ import pytest
 
 from app import envs
 from app.cli import main
-from app.engine.oracle import CALL_OK, TURN_PASSES, BestOfKRunner, oracle_settings
+from app.engine import EpisodeRunner
+from app.engine.oracle import CALL_OK, TURN_PASSES, oracle_settings
+from app.engine.rehearsers import ModelRehearser
 from app.eval_report import figures, markdown, write_outputs
 from app.evaluation import BEST_OF_K, EvalConfig, resolve_tasks, run_eval, table_row
 from app.records import RunSettings
@@ -203,7 +205,7 @@ def test_max_turns_judges_the_first_turns_only(tmp_path):
 
 def test_best_of_k_executes_every_candidate_and_commits_the_best_outcome():
     task = envs.load_task("mock:kv")
-    runner = BestOfKRunner(task, PromptPolicy(), oracle_settings(RunSettings(branches=3)))
+    runner = EpisodeRunner(task, PromptPolicy(), oracle_settings(RunSettings(branches=3)))
     step = runner.step()
     red, blue, keys = step.branches
     assert step.chosen == 1 and blue.chosen and blue.actual_source == "committed"
@@ -216,13 +218,18 @@ def test_best_of_k_executes_every_candidate_and_commits_the_best_outcome():
 
 def test_best_of_k_prefers_ending_a_finished_turn_and_refuses_bad_settings():
     script = {**SCRIPT, (0, 0): [call("set", key="color", value="blue")], (0, 1): ["Done.", call("list_keys")]}
-    runner = BestOfKRunner(envs.load_task("mock:kv"), PromptPolicy(script), oracle_settings(RunSettings(branches=2)))
+    runner = EpisodeRunner(envs.load_task("mock:kv"), PromptPolicy(script), oracle_settings(RunSettings(branches=2)))
     runner.step()
     step = runner.step()
     assert step.kind == "answer" and step.branches[0].scores["oracle"] == TURN_PASSES
     assert step.external_calls == 1 and runner.turn == 1  # list_keys ran on its fork, the answer was committed
-    with pytest.raises(ValueError):
-        BestOfKRunner(envs.load_task("mock:kv"), PromptPolicy(), RunSettings(mode="parallel"))
+    for bad in (RunSettings(mode="sequential", selector="oracle", shadow=False),  # oracle is parallel only
+                RunSettings(mode="parallel", selector="oracle", shadow=True)):   # its forks are the agent's calls
+        with pytest.raises(ValueError, match="oracle"):
+            EpisodeRunner(envs.load_task("mock:kv"), PromptPolicy(), bad)
+    with pytest.raises(ValueError, match="executes on forks"):  # the outcome needs real forks
+        EpisodeRunner(envs.load_task("mock:kv"), PromptPolicy(), oracle_settings(RunSettings(branches=2)),
+                      rehearser=ModelRehearser())
 
 
 # ---------------------------------------------------------------- breakdowns

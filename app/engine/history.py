@@ -30,3 +30,9 @@ def committed_messages(branch: Branch, turn: int) -> list[HistoryItem]:
     else:
         said = HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn)
     return [said, HistoryItem(role="tool", content="", result=branch.actual, turn=turn)]
+
+
+def latest_request(history: list[HistoryItem]) -> str:
+    """The last user message: the request the judge weighs a branch against."""
+    users = [h.content for h in history if h.role == "user"]
+    return users[-1] if users else ""

@@ -5,6 +5,11 @@ selector scores them -> every non-chosen call runs on its own fork of the pre-st
 (shadow execution, inspection only; read-only calls only where the environment cannot
 fork) -> the chosen one is committed to the real environment -> divergence
 metrics for every branch that has both a prediction and an actual response.
+
+The runner owns the loop, the commit and the counts; how a step proposes and picks is
+looked up by name (`strategies.MODE_TABLE`, `strategies.SELECTOR_TABLE`), and what fills in
+a candidate's response is the `Rehearser` passed in (the model's prediction by default).
+A step's scratch state lives in its `StepContext`, never on the runner.
 """
 from __future__ import annotations
 
@@ -15,11 +20,13 @@ from typing import Any, Callable, Iterator
 
 from app import envs
 from app.divergence import compare, mean_nll
-from app.engine import selection
-from app.envs.base import Environment, Task, Tool
+from app.engine import strategies
+from app.engine.context import StepContext
 from app.engine.history import committed_messages, turn_messages
-from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key,
-                         canonical_json, parse_action, parse_result, rehearse_prompt, rehearse_target)
+from app.engine.rehearsers import Rehearser
+from app.envs.base import Environment, Task, Tool
+from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
+                         parse_action, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError, Timings
 
@@ -41,7 +48,11 @@ class EpisodeRunner:
     def __init__(self, task: Task, policy: Policy, settings: RunSettings, *,
                  model: str | None = None, adapter: str | None = None,
                  on_step: StepCallback | None = None, env: Environment | None = None,
-                 judge: Any = None, episode_id: str | None = None) -> None:
+                 judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None) -> None:
+        self.rehearser: Rehearser = rehearser if rehearser is not None else strategies.rehearser_for(settings)
+        """Fills in candidates' responses: the model's prediction, or (real best-of-K) execution on forks."""
+        strategies.check_settings(settings, self.rehearser)
+        self.selector = strategies.SELECTOR_TABLE[settings.selector]
         self.task, self.policy, self.settings = task, policy, settings
         self.env = env if env is not None else envs.make_env(task)
         self.judge = judge if judge is not None else envs.make_judge(task)
@@ -54,16 +65,15 @@ class EpisodeRunner:
         self.turn = 0
         self._turn_open = False
         self._turn_steps = 0
-        self._turn_executed: list[tuple[str, dict[str, Any], Any]] = []
-        self._rehearse_prompts: dict[int, Prompt] = {}
-        self._predicted_valid: dict[int, bool] = {}
-        self._state_before: dict[str, Any] = {}
+        self.turn_executed: list[tuple[str, dict[str, Any], Any]] = []
+        """(name, arguments, output) of the calls committed in the open turn, for the judge."""
         self.resume_mismatches: list[int] = []
         """Steps whose response differed when `resume` executed them again."""
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
-               env: Environment | None = None, judge: Any = None) -> EpisodeRunner:
+               env: Environment | None = None, judge: Any = None,
+               rehearser: Rehearser | None = None) -> EpisodeRunner:
         """Continue a recorded episode (an interrupted or stopped one) where it ended.
 
         A fresh environment gets the committed calls again, in order (the tools are deterministic
@@ -72,7 +82,8 @@ class EpisodeRunner:
         response differs from the recorded one (a tool that is not deterministic).
         """
         runner = cls(task, policy, episode.settings, model=episode.model, adapter=episode.adapter,
-                     on_step=on_step, env=env, judge=judge, episode_id=episode.id)
+                     on_step=on_step, env=env, judge=judge, episode_id=episode.id,
+                     rehearser=rehearser)
         runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
         runner.resume_mismatches = []
         judged = {t.turn for t in episode.turn_results}
@@ -84,7 +95,7 @@ class EpisodeRunner:
             branch = step.chosen_branch
             if branch.kind == "call" and branch.call is not None:
                 result = runner.env.call(branch.call.name, branch.call.arguments)
-                runner._turn_executed.append((branch.call.name, branch.call.arguments, result.output))
+                runner.turn_executed.append((branch.call.name, branch.call.arguments, result.output))
                 if canonical_json(result.output) != canonical_json(branch.actual):
                     runner.resume_mismatches.append(step.index)
             runner.history += committed_messages(branch, step.turn)
@@ -93,7 +104,7 @@ class EpisodeRunner:
             if last_of_turn and step.turn in judged:
                 # Judged again (same calls, same state) only to advance the judge's own gold replay;
                 # the recorded verdict stays.
-                runner.judge.check_turn(step.turn, runner.env, runner._turn_executed)
+                runner.judge.check_turn(step.turn, runner.env, runner.turn_executed)
                 runner._turn_open = False
                 runner.turn = step.turn + 1
         return runner
@@ -156,10 +167,10 @@ class EpisodeRunner:
         if hasattr(self.env, "set_turn"):
             self.env.set_turn(self.turn)  # miss_func: tools that appear at this turn
         self.history += turn_messages(self.task, self.turn)
-        self._turn_open, self._turn_steps, self._turn_executed = True, 0, []
+        self._turn_open, self._turn_steps, self.turn_executed = True, 0, []
 
     def _close_turn(self) -> None:
-        check = self.judge.check_turn(self.turn, self.env, self._turn_executed)
+        check = self.judge.check_turn(self.turn, self.env, self.turn_executed)
         self.episode.turn_results.append(TurnResult(
             turn=self.turn, success=check.success, state_ok=check.state_ok,
             response_ok=check.response_ok, steps=self._turn_steps, details=check.details))
@@ -177,9 +188,37 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------ one decision
 
-    def _request(self) -> str:
-        users = [h.content for h in self.history if h.role == "user"]
-        return users[-1] if users else ""
+    def generate(self, ctx: StepContext, k: int, *, memory: list[tuple[Any, Any]] | None = None,
+                 attempt: int = 0) -> list[Generation]:
+        """K Act candidates for this step (one batch), with private rehearsals in view when `memory`."""
+        return self.policy.act(self._act_prompt(ctx.tools_list, memory), k, self._act_config(ctx.index, attempt))
+
+    @staticmethod
+    def key_of(generation: Generation) -> str:
+        """The dedup key of a candidate (`formats.branch_key` of its parsed action)."""
+        parsed = parse_action(generation.text)
+        return branch_key(parsed.kind, parsed.call, generation.text)
+
+    def parse_branches(self, ctx: StepContext, generations: list[Generation]) -> list[Branch]:
+        """New branches from candidates, numbered after `ctx.branches`; a candidate equal to one in
+        `ctx.seen` (same canonical call) is folded into it as a duplicate."""
+        out: list[Branch] = []
+        for gen in generations:
+            parsed = parse_action(gen.text)
+            key = branch_key(parsed.kind, parsed.call, gen.text)
+            if key in ctx.seen:
+                ctx.seen[key].duplicates += 1
+                continue
+            branch = Branch(index=len(ctx.branches) + len(out), action_text=gen.text, kind=parsed.kind,
+                            call=parsed.call, parse_error=parsed.error, sampled=gen.sampled,
+                            act_logprob=round(gen.mean_logprob, 5) if gen.token_logprobs else None)
+            ctx.seen[key] = branch
+            out.append(branch)
+        return out
+
+    def rehearse(self, ctx: StepContext, branches: list[Branch]) -> None:
+        """Fill in the response of every call branch through the runner's rehearser."""
+        ctx.rehearsals += self.rehearser.rehearse(ctx, branches)
 
     def _act_prompt(self, tools: list[Tool], memory: list[tuple[Any, Any]] | None = None) -> Prompt:
         prefill = TOOL_CALL_OPEN if self.settings.tool_choice == "required" else ""
@@ -192,138 +231,23 @@ class EpisodeRunner:
                                 temperature=self.settings.temperature,
                                 seed=step_seed(self.settings.seed, index, attempt), stop=ACT_STOP)
 
-    def _branches(self, generations: list[Generation], start: int = 0,
-                  seen: dict[str, Branch] | None = None) -> list[Branch]:
-        """Parse candidates into branches, folding duplicates (same canonical call) into the first."""
-        seen = {} if seen is None else seen
-        out: list[Branch] = []
-        for gen in generations:
-            parsed = parse_action(gen.text)
-            key = branch_key(parsed.kind, parsed.call, gen.text)
-            if key in seen:
-                seen[key].duplicates += 1
-                continue
-            branch = Branch(index=start + len(out), action_text=gen.text, kind=parsed.kind,
-                            call=parsed.call, parse_error=parsed.error, sampled=gen.sampled,
-                            act_logprob=round(gen.mean_logprob, 5) if gen.token_logprobs else None)
-            seen[key] = branch
-            out.append(branch)
-        return out
-
-    def _rehearse(self, branches: list[Branch], tools: dict[str, Tool]) -> int:
-        """Predict the response of every call branch in one batched pass; returns the count."""
-        todo = [b for b in branches if b.kind == "call" and b.predicted_text is None]
-        if not todo:
-            return 0
-        # Rehearsal happens before the commit, so the pre-step state is the state to show.
-        state = self._state_before if self.settings.rehearsal_context == "history+state" else None
-        prompts = [rehearse_prompt(tools.get(b.call.name), b.call, self.history, state,
-                                   constrain=self.settings.constrain) for b in todo]
-        config = GenerationConfig(max_new_tokens=self.settings.max_rehearsal_tokens, temperature=0.0,
-                                  seed=self.settings.seed, stop=REHEARSE_STOP)
-        for branch, prompt, gen in zip(todo, prompts, self.policy.rehearse(prompts, config)):
-            branch.predicted_text = gen.text
-            branch.predicted, error = parse_result(gen.text)
-            self._predicted_valid[branch.index] = error is None
-            self._rehearse_prompts[branch.index] = prompt
-        return len(todo)
-
-    def _score(self, branches: list[Branch]) -> None:
-        selector = self.settings.selector
-        if selector == "judge":
-            raw = selection.judge_scores(self.policy, self._request(), self.history, branches)
-        else:  # logprob (and the base score under memory)
-            raw = [b.act_logprob if b.act_logprob is not None else 0.0 for b in branches]
-            selector = "logprob"
-        selection.apply_scores(branches, selector, raw)
-
     def _decide(self, state_before: dict[str, Any]) -> Step:
-        index = len(self.episode.steps)
-        tools_list = self.env.tools()
-        tools = {t.name: t for t in tools_list}
-        self._rehearse_prompts, self._predicted_valid = {}, {}
-        self._state_before = state_before
-        rehearsals = 0
-        mode = self.settings.mode
-        if mode == "sequential":
-            branches, chosen, rehearsals = self._sequential(index, tools_list, tools)
-        else:
-            k = 1 if mode == "none" else self.settings.branches
-            branches = self._branches(self.policy.act(self._act_prompt(tools_list), k, self._act_config(index)))
-            if mode == "none":
-                chosen = 0
-            else:
-                rehearsals = self._rehearse(branches, tools)
-                self._score(branches)
-                if self.settings.selector == "memory":
-                    chosen, extra = self._memory_choice(index, tools_list, tools, branches)
-                    rehearsals += extra
-                else:
-                    chosen = selection.choose(branches, self.settings.selector)
+        ctx = StepContext(runner=self, index=len(self.episode.steps), tools_list=self.env.tools(),
+                          state_before=state_before)
+        chosen = strategies.MODE_TABLE[self.settings.mode](ctx)
+        branches = ctx.branches
         branches[chosen].chosen = True
         with self.timings.phase("shadow"):
-            shadow_calls = self._shadow(branches, chosen, tools)
+            shadow_calls = self._shadow(branches, chosen, ctx.tools)
         with self.timings.phase("commit"):
             external = self._commit(branches[chosen])
-        self._measure(branches)
-        return Step(index=index, turn=self.turn, branches=branches, chosen=chosen,
+        if self.rehearser.executes:  # its fork executions were the agent's own calls; the chosen one counts once
+            external += len(ctx.forks) - (1 if chosen in ctx.forks else 0)
+        self._measure(ctx)
+        return Step(index=ctx.index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
-                    state_after=self.env.state(), rehearsals=rehearsals,
+                    state_after=self.env.state(), rehearsals=ctx.rehearsals,
                     shadow_calls=shadow_calls, external_calls=external)
-
-    def _memory_choice(self, index: int, tools_list: list[Tool], tools: dict[str, Tool],
-                       branches: list[Branch]) -> tuple[int, int]:
-        """The policy sees its private rehearsals and writes the committed action."""
-        memory = [(b.call, b.predicted) for b in branches if b.kind == "call"]
-        if not memory:
-            return selection.choose(branches, "logprob"), 0
-        gen = self.policy.act(self._act_prompt(tools_list, memory=memory), 1, self._act_config(index, 1))[0]
-        seen = {branch_key(b.kind, b.call, b.action_text): b for b in branches}
-        new = self._branches([gen], start=len(branches), seen=seen)
-        parsed = parse_action(gen.text)
-        key = branch_key(parsed.kind, parsed.call, gen.text)
-        extra = 0
-        if new:
-            branches.extend(new)
-            extra = self._rehearse(new, tools)
-        chosen = seen[key].index
-        for b in branches:
-            b.scores["memory"] = 1.0 if b.index == chosen else 0.0
-        return chosen, extra
-
-    def _sequential(self, index: int, tools_list: list[Tool],
-                    tools: dict[str, Tool]) -> tuple[list[Branch], int, int]:
-        """Rehearse; while the rehearsal predicts failure, propose again with the rehearsals in view."""
-        branches: list[Branch] = []
-        seen: dict[str, Branch] = {}
-        memory: list[tuple[Any, Any]] = []
-        rehearsals = 0
-        for attempt in range(self.settings.branches):
-            prompt = self._act_prompt(tools_list, memory=memory or None)
-            # From the second attempt on, a sampled alternative stands in when greedy repeats itself.
-            k = 1 if attempt == 0 else 2
-            new = self._branches(self.policy.act(prompt, k, self._act_config(index, attempt)),
-                                 start=len(branches), seen=seen)[:1]
-            if not new:
-                continue
-            branch = new[0]
-            branches.append(branch)
-            if branch.kind != "call":
-                if branch.kind == "answer":
-                    return branches, branch.index, rehearsals
-                continue
-            rehearsals += self._rehearse([branch], tools)
-            self._score([branch])
-            score = branch.scores.get(self.settings.selector if self.settings.selector == "judge" else "logprob", 0)
-            fails = selection.predicts_failure(branch, self.settings.selector, score)
-            if not fails:
-                return branches, branch.index, rehearsals
-            memory.append((branch.call, branch.predicted))
-        if not branches:  # every attempt repeated an earlier one: commit the greedy primary
-            branches = self._branches(self.policy.act(self._act_prompt(tools_list), 1, self._act_config(index)))
-            return branches, 0, rehearsals
-        key = "judge" if self.settings.selector == "judge" else "logprob"
-        return branches, selection.choose(branches, key), rehearsals
 
     # ------------------------------------------------------------ execution
 
@@ -361,26 +285,32 @@ class EpisodeRunner:
             error = {"error": f"could not parse the tool call: {branch.parse_error}"}
             branch.actual, branch.actual_error, branch.actual_source = error, True, "committed"
         elif branch.kind == "call":
+            on_fork = canonical_json(branch.actual) if branch.actual_source == "shadow" else None
             result = self.env.call(branch.call.name, branch.call.arguments)
             branch.actual, branch.actual_error, branch.actual_source = result.output, result.error, "committed"
-            self._turn_executed.append((branch.call.name, branch.call.arguments, result.output))
+            self.turn_executed.append((branch.call.name, branch.call.arguments, result.output))
             external = 1
+            if on_fork is not None:  # run on its fork first (a fork-executing rehearser)
+                branch.shadow_state_after = None  # the step's own state_after shows its effect now
+                if canonical_json(result.output) != on_fork:
+                    log.warning("%s: %s returned differently on its fork and for real",
+                                self.task.id, branch.call.name)
         self.history += committed_messages(branch, self.turn)
         return external
 
-    def _measure(self, branches: list[Branch]) -> None:
+    def _measure(self, ctx: StepContext) -> None:
         """Divergence metrics, with `surprise` from one batched scoring pass."""
-        measured = [b for b in branches if b.predicted_text is not None and b.actual_source is not None
-                    and b.index in self._rehearse_prompts]
+        measured = [b for b in ctx.branches if b.predicted_text is not None and b.actual_source is not None
+                    and b.index in ctx.rehearse_prompts]
         if not measured:
             return
         try:
-            logprobs = self.policy.score([self._rehearse_prompts[b.index] for b in measured],
+            logprobs = self.policy.score([ctx.rehearse_prompts[b.index] for b in measured],
                                          [rehearse_target(b.actual) for b in measured])
         except RemoteCapabilityError:  # a server without prompt log-probabilities: no surprise
             logprobs = [[] for _ in measured]
         for b, lps in zip(measured, logprobs):
-            b.metrics = compare(b.predicted, self._predicted_valid[b.index], b.actual, surprise=_round(mean_nll(lps)))
+            b.metrics = compare(b.predicted, ctx.predicted_valid[b.index], b.actual, surprise=_round(mean_nll(lps)))
 
 
 def _round(value: float | None) -> float | None:

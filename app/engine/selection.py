@@ -5,13 +5,19 @@ advances the task), `logprob` (the Act role's mean token log-probability), `memo
 (the rehearsals are shown to the policy, which writes the committed call). A branch whose
 rehearsal predicts an error is penalised under every selector: foreseeing that failure
 is what rehearsal is for.
+
+Each selector is a small object (`Selector`): `score` writes `Branch.scores[score_key]`,
+`choose` returns the index to commit. The table of them by name is `strategies.SELECTOR_TABLE`;
+the evaluation-only `oracle` selector lives in `oracle.py`.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from app.divergence import is_error
+from app.engine.context import StepContext
+from app.engine.history import latest_request
 from app.formats import HistoryItem, call_text, judge_prompt
 from app.records import Branch
 from model_backend.base import NO_PROMPT_LOGPROBS, Policy, RemoteCapabilityError, supports_scoring
@@ -71,6 +77,72 @@ def choose(branches: list[Branch], selector: str) -> int:
         if b.scores.get(selector, PARSE_ERROR_SCORE) > branches[best].scores.get(selector, PARSE_ERROR_SCORE):
             best = i
     return best
+
+
+class Selector(Protocol):
+    name: str
+    """The `RunSettings.selector` value that picks it."""
+    score_key: str
+    """The `Branch.scores` entry its ranking reads (the memory selector ranks by `logprob`)."""
+
+    def score(self, ctx: StepContext, branches: list[Branch]) -> None:
+        """Write `scores[score_key]` on each branch (its rehearsal already done)."""
+        ...
+
+    def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
+        """The index of the branch to commit."""
+        ...
+
+
+class LogprobSelector:
+    """The Act role's mean token log-probability (no extra model pass)."""
+
+    name = score_key = "logprob"
+
+    def score(self, ctx: StepContext, branches: list[Branch]) -> None:
+        apply_scores(branches, "logprob", [b.act_logprob if b.act_logprob is not None else 0.0 for b in branches])
+
+    def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
+        return choose(branches, self.score_key)
+
+
+class JudgeSelector:
+    """The model's own P("yes") that the rehearsed outcome advances the request."""
+
+    name = score_key = "judge"
+
+    def score(self, ctx: StepContext, branches: list[Branch]) -> None:
+        history = ctx.runner.history
+        apply_scores(branches, "judge", judge_scores(ctx.runner.policy, latest_request(history), history, branches))
+
+    def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
+        return choose(branches, self.score_key)
+
+
+class MemorySelector(LogprobSelector):
+    """The policy sees its private rehearsals and writes the committed action (one more Act pass).
+
+    A new action becomes a branch of its own (rehearsed like the others); one equal to a
+    candidate commits that candidate. `scores["memory"]` marks the choice.
+    """
+
+    name = "memory"
+    score_key = "logprob"
+
+    def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
+        memory = [(b.call, b.predicted) for b in branches if b.kind == "call"]
+        if not memory:
+            return choose(branches, "logprob")
+        runner = ctx.runner
+        generation = runner.generate(ctx, 1, memory=memory, attempt=1)[0]
+        new = runner.parse_branches(ctx, [generation])
+        if new:
+            branches.extend(new)
+            runner.rehearse(ctx, new)
+        chosen = ctx.seen[runner.key_of(generation)].index
+        for b in branches:
+            b.scores["memory"] = 1.0 if b.index == chosen else 0.0
+        return chosen
 
 
 def predicts_failure(branch: Branch, selector: str, score: float) -> bool:

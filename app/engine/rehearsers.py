@@ -1,0 +1,76 @@
+"""Rehearsers: what fills in a candidate call's response before the selector scores it.
+
+- `ModelRehearser`: the policy predicts each response (the Rehearse role, one batched pass).
+  This is EnvACE: no real call is spent.
+- `ForkRehearser`: each call runs for real on its own fork of the pre-step state. Reality
+  stands in for the prediction: the "real best-of-K" baseline, whose executions are the
+  agent's own calls (`executes = True`: counted as external calls, never as shadow calls).
+
+A rehearser fills `Branch.predicted*` (model) or `Branch.actual*` with `actual_source="shadow"`
+(fork) for every call branch that has neither, and records what the step needs later in the
+`StepContext` (prompts for the surprise score, forks for outcome scoring).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from app.engine.context import StepContext
+from app.formats import REHEARSE_STOP, parse_result, rehearse_prompt
+from app.records import Branch
+from model_backend.base import GenerationConfig
+
+
+class Rehearser(Protocol):
+    name: str
+    executes: bool
+    """True when rehearsing runs the call for real (on a fork): each one is an external call."""
+
+    def rehearse(self, ctx: StepContext, branches: list[Branch]) -> int:
+        """Fill in the response of every call branch not yet rehearsed; returns the predictions made."""
+        ...
+
+
+class ModelRehearser:
+    """The policy's Rehearse role predicts every response in one batched pass."""
+
+    name = "model"
+    executes = False
+
+    def rehearse(self, ctx: StepContext, branches: list[Branch]) -> int:
+        runner = ctx.runner
+        settings = runner.settings
+        todo = [b for b in branches if b.kind == "call" and b.predicted_text is None]
+        if not todo:
+            return 0
+        # Rehearsal happens before the commit, so the pre-step state is the state to show.
+        state = ctx.state_before if settings.rehearsal_context == "history+state" else None
+        prompts = [rehearse_prompt(ctx.tools.get(b.call.name), b.call, runner.history, state,
+                                   constrain=settings.constrain) for b in todo]
+        config = GenerationConfig(max_new_tokens=settings.max_rehearsal_tokens, temperature=0.0,
+                                  seed=settings.seed, stop=REHEARSE_STOP)
+        for branch, prompt, gen in zip(todo, prompts, runner.policy.rehearse(prompts, config)):
+            branch.predicted_text = gen.text
+            branch.predicted, error = parse_result(gen.text)
+            ctx.predicted_valid[branch.index] = error is None
+            ctx.rehearse_prompts[branch.index] = prompt
+        return len(todo)
+
+
+class ForkRehearser:
+    """Every call runs on its own fork of the pre-step state; the forks stay in `ctx.forks`."""
+
+    name = "fork"
+    executes = True
+
+    def rehearse(self, ctx: StepContext, branches: list[Branch]) -> int:
+        for b in branches:
+            if b.kind == "call" and b.call is not None and b.actual_source is None:
+                fork = ctx.runner.env.fork()
+                result = fork.call(b.call.name, b.call.arguments)
+                b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
+                b.shadow_state_after = fork.state()
+                ctx.forks[b.index] = fork
+        return 0  # nothing was predicted
+
+
+__all__ = ["ForkRehearser", "ModelRehearser", "Rehearser"]
