@@ -61,7 +61,7 @@ def main() -> None:
     from app.ui import constants as C
 
     # Spaces set GRADIO_SERVER_NAME/PORT; the database defaults to /data (persistent storage) when present.
-    from app.cli import shutdown_event, wait_for
+    from app.cli.main import shutdown_event, wait_for
 
     demo = build_demo()
     stop = shutdown_event()  # SIGTERM (a Space stopping) and Ctrl+C shut the server down cleanly

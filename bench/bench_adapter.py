@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from app import envs  # noqa: E402
 from app.config import SHIPPED_ADAPTER  # noqa: E402
-from app.training_data import PromptContext, expert_rows  # noqa: E402
+from app.training.rows import PromptContext, expert_rows  # noqa: E402
 from model_backend import GenerationConfig, TransformersPolicy, load_model  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "adapter.json"

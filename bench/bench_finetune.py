@@ -16,10 +16,10 @@ from pathlib import Path
 from common import write_results
 
 from app import envs
-from app.finetune import FinetuneRequest, run_finetune
+from app.training.finetune import FinetuneRequest, run_finetune
 from app.records import Annotation
 from app.store import Store
-from app.training_data import expert_episode
+from app.training.rows import expert_episode
 
 
 def corrected_store(path: Path, n: int) -> Store:
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--parent", default="default", help="adapter to continue (`none`: base weights)")
     args = parser.parse_args()
 
-    from app.agent_training import default_adapter_path
+    from app.training.agent import default_adapter_path
 
     parent = None if args.parent == "none" else (default_adapter_path() if args.parent == "default" else Path(args.parent))
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,7 +20,7 @@ from common import RESULTS, machine
 
 from app import envs
 from app.store import Recorder, Store
-from app.training_data import expert_episode
+from app.training.rows import expert_episode
 from app.ui import build_demo
 from app.ui import constants as C
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from scripted import ScriptedPolicy  # noqa: E402
 
-from app.inspect_service import RunSession, Services  # noqa: E402
+from app.service import RunSession, Services  # noqa: E402
 from app.ui import constants as C  # noqa: E402
 from app.ui.run_callbacks import RunCallbacks  # noqa: E402
 

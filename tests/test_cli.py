@@ -4,11 +4,11 @@ import sys
 
 import pytest
 
-from app.cli import build_parser, main
+from app.cli.main import build_parser, main
 
 
 def run_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
-    code = f"{prelude}\nimport sys\nfrom app.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = f"{prelude}\nimport sys\nfrom app.cli.main import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
 
 
@@ -57,7 +57,7 @@ def test_missing_embedded_package_names_the_fix(tmp_path):
 
 
 def test_help_does_not_import_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys\nfrom app.cli import build_parser\n"
+    out = subprocess.run([sys.executable, "-c", "import sys\nfrom app.cli.main import build_parser\n"
                           "build_parser().format_help()\nprint('torch' in sys.modules)"],
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr

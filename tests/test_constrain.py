@@ -18,7 +18,7 @@ from app.formats import (ACT_MAX_STRING, ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN
                          call_schema, call_text, grammar_schema, parse_action, parse_result, rehearse_constraint,
                          rehearse_prompt, rehearse_target)
 from app.records import Call
-from app.training_data import expert_episode
+from app.training.rows import expert_episode
 from model_backend.base import Constraint, GenerationConfig, Prompt
 
 HELDOUT = envs.list_tasks("multi_turn_base", "heldout")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from app import envs
-from app.cli import main
+from app.cli.main import main
 from app.engine import EpisodeRunner
 from app.engine.oracle import CALL_OK, TURN_PASSES, oracle_settings
 from app.engine.rehearsers import ModelRehearser
-from app.eval_report import figures, markdown, write_outputs
-from app.evaluation import BEST_OF_K, EvalConfig, resolve_tasks, run_eval, table_row
+from app.eval.report import figures, markdown, write_outputs
+from app.eval.evaluation import BEST_OF_K, EvalConfig, resolve_tasks, run_eval, table_row
 from app.records import RunSettings
 from app.store import Store
 from scripted import ScriptedPolicy
@@ -261,14 +261,14 @@ def test_resolve_tasks():
 
 @pytest.fixture
 def scripted_model(monkeypatch):
-    import app.cli
+    import app.cli.main
 
     loads = []
 
     def load(spec, adapter):
         loads.append((spec, adapter))
         return PromptPolicy()
-    monkeypatch.setattr(app.cli, "load_policy_or_fail", load)
+    monkeypatch.setattr(app.cli.main, "load_policy_or_fail", load)
     return loads
 
 

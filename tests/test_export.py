@@ -12,14 +12,14 @@ import jsonschema
 import pytest
 from scripted import ScriptedPolicy
 
-from app.cli import main
+from app.cli.main import main
 from app.engine import EpisodeRunner
 from app.envs import load_task
-from app.finetune import build_rows, select_corrections
+from app.training.finetune import build_rows, select_corrections
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
-from app.training_data import PromptContext, self_training_rows
-from app.trl_export import ROW_SCHEMA
+from app.training.rows import PromptContext, self_training_rows
+from app.training.trl_export import ROW_SCHEMA
 
 SET = '<tool_call>{"name": "set", "arguments": {"key": "color", "value": "blue"}}</tool_call>'
 GET = '<tool_call>{"name": "get", "arguments": {"key": "color"}}</tool_call>'

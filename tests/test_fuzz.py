@@ -16,10 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import cli, envs
+from app import envs
+from app.cli import common, main as cli
 from app.envs.bfcl_tasks import parse_call_string
 from app.formats import RESULT_CLOSE, RESULT_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_action, parse_result
-from app.inspect_service import InputError, build_annotation
+from app.service import InputError, build_annotation
 from app.records import LABELS, Annotation, Branch, Call, Episode, RunSettings, Step
 from app.store import Store
 from app.trace_io import TraceFileError, export_episodes, import_records, parse_traces
@@ -181,8 +182,8 @@ def test_cli_option_values_are_checked_before_anything_runs(option: str, value: 
         return
     try:
         cli.settings_from_args(args)
-        cli.load_task_or_fail(args.task)
-    except cli.UserError as exc:
+        common.load_task_or_fail(args.task)
+    except common.UserError as exc:
         assert str(exc)
 
 

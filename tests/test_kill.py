@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from app.inspect_service import Services
+from app.service import Services
 from app.records import Annotation
 from app.store import Store
 from fake_openai import free_port

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.finetune_service import adapter_dir
-from app.inspect_service import InputError
+from app.training.service import adapter_dir
+from app.service import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app import envs
-from app.agent_training import run_episode
+from app.training.agent import run_episode
 from app.config import SHIPPED_ADAPTER
 from app.records import RunSettings
 from model_backend import GenerationConfig, Prompt, load_policy

@@ -14,7 +14,7 @@ import pytest
 
 from app import envs
 from app.engine import EpisodeRunner
-from app.inspect_service import InputError, RunSession, Services
+from app.service import InputError, RunSession, Services
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
 from app.ui import constants as C

@@ -414,7 +414,7 @@ def test_episode_through_transformers_serve(served: tuple[str, str], tmp_path: P
 
 
 def test_ui_service_accepts_openai_specs_and_says_what_is_wrong(tmp_path: Path) -> None:
-    from app.inspect_service import InputError, RunRequest, RunSession, Services
+    from app.service import InputError, RunRequest, RunSession, Services
     from app.records import RunSettings
 
     services = Services(str(tmp_path / "ui.db"))

@@ -11,7 +11,7 @@ import pytest
 from app import envs
 from app.config import SHIPPED_ADAPTER, resolve_adapter, shipped_adapter
 from app.formats import parse_action
-from app.training_data import PromptContext, expert_rows
+from app.training.rows import PromptContext, expert_rows
 from model_backend.training import BASE_MODEL_ID
 
 HELDOUT = envs.list_tasks("multi_turn_base", "heldout")

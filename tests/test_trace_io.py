@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app import envs
-from app.cli import main
+from app.cli.main import main
 from app.engine import EpisodeRunner
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from app import envs
-from app.cli import main
+from app.cli.main import main
 from app.engine import EpisodeRunner
-from app.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
+from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
 from app.formats import rehearse_target
-from app.training_data import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
+from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
                                replay, self_training_rows)
 from model_backend.training import TrainConfig, TrainingError, save_adapter
 from scripted import ScriptedPolicy
@@ -202,7 +202,7 @@ def test_correction_rows_use_corrected_targets(tmp_path: Path) -> None:
     ids = _branch_ids(store, ep.id)
     store.add_annotation(Annotation(branch_id=ids[0], corrected_predicted={"ok": False}))
     store.add_annotation(Annotation(branch_id=ids[1], corrected_action=call("get", key="size")))
-    from app.finetune import build_rows
+    from app.training.finetune import build_rows
 
     rows = build_rows(store, select_corrections(store), ctx_for(policy))
     assert [(r.role, r.target) for r in rows] == [
@@ -292,7 +292,7 @@ def test_heldout_comparison_runs_each_column_with_its_decoding(tmp_path: Path, m
 
     import model_backend
     import model_backend.policy
-    from app import agent_training as at
+    from app.training import agent as at
 
     calls = []
     monkeypatch.setattr(at, "heldout_report", lambda policy, n, settings, **kw: calls.append(

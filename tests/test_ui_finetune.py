@@ -15,9 +15,9 @@ import pytest
 from gradio_client import Client
 from test_training import call, mock_episode
 
-from app import finetune_service as service
-from app.finetune import FinetuneError, FinetuneResult
-from app.inspect_service import Services
+from app.training import service
+from app.training.finetune import FinetuneError, FinetuneResult
+from app.service import Services
 from app.records import Annotation
 from app.ui import build_demo
 from app.ui import constants as C
@@ -32,7 +32,7 @@ def no_model(model: str, adapter: str | None):
 
 
 class FakeFinetune:
-    """Test double of `app.finetune.run_finetune`: reports a few losses and registers an adapter row,
+    """Test double of `app.training.finetune.run_finetune`: reports a few losses and registers an adapter row,
     without loading a model. `gate` holds it before training; `error` makes it fail instead."""
 
     def __init__(self, losses=(2.0, 1.4, 0.9), gate: threading.Event | None = None,

@@ -1,7 +1,7 @@
 """The conversation the Act role reads: what a turn's opening and a committed branch add to it.
 
 One owner for the rule, used by the live runner (`EpisodeRunner`) and by the replay that
-rebuilds the history of a recorded episode for training rows (`training_data.replay`), so a
+rebuilds the history of a recorded episode for training rows (`training.rows.replay`), so a
 model trains on exactly the history it acts on.
 """
 from __future__ import annotations

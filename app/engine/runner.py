@@ -317,4 +317,4 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-__all__ = ["EpisodeRunner", "NOT_EXECUTED_CANNOT_FORK", "NOT_EXECUTED_SHADOW_OFF", "step_seed", "canonical_json"]
+__all__ = ["EpisodeRunner", "NOT_EXECUTED_CANNOT_FORK", "NOT_EXECUTED_SHADOW_OFF", "step_seed"]

@@ -5,17 +5,11 @@ the part of the id before the colon (`bfcl:`, `mock:`).
 """
 from __future__ import annotations
 
-from app.envs.base import Environment, Task, Tool, ToolResult, TurnCheck
-from app.envs.bfcl import BFCLEnvironment, to_jsonable
+from app.envs.base import Environment, Task
+from app.envs.bfcl import BFCLEnvironment
 from app.envs.bfcl import make_env as make_bfcl_env
-from app.envs.bfcl_check import BFCLJudge, ReplayJudge, canonical_result, replay_ground_truth
-from app.envs.bfcl_tasks import (
-    CATEGORIES,
-    READ_ONLY_TOOLS,
-    UnknownTaskError,
-    parse_call_string,
-    task_split,
-)
+from app.envs.bfcl_check import BFCLJudge, ReplayJudge, replay_ground_truth
+from app.envs.bfcl_tasks import CATEGORIES, READ_ONLY_TOOLS, UnknownTaskError, parse_call_string
 from app.envs.bfcl_tasks import list_tasks as list_bfcl_tasks
 from app.envs.bfcl_tasks import load_task as load_bfcl_task
 from app.envs.mock import MOCK_TASK_ID, MockEnvironment, MockJudge, make_mock_env, mock_task
@@ -70,14 +64,8 @@ __all__ = [
     "MockEnvironment",
     "MockJudge",
     "READ_ONLY_TOOLS",
-    "ReplayJudge",
-    "SUITES",
     "Task",
-    "Tool",
-    "ToolResult",
-    "TurnCheck",
     "UnknownTaskError",
-    "canonical_result",
     "list_tasks",
     "load_task",
     "make_env",
@@ -85,6 +73,4 @@ __all__ = [
     "mock_task",
     "parse_call_string",
     "replay_ground_truth",
-    "task_split",
-    "to_jsonable",
 ]

@@ -1,7 +1,7 @@
 """The Gradio inspector: Run, Traces, Annotate, Dashboard and Fine-tune tabs.
 
 `build_demo()` holds only layout and wiring; each tab has a layout module and a
-callbacks module, and the work happens in `app.inspect_service` and `app.ui.render`.
+callbacks module, and the work happens in `app.service` and `app.ui.render`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable
 import gradio as gr
 
 from app.config import default_db_path
-from app.inspect_service import Services
+from app.service import Services
 from app.ui import constants as C
 from app.ui.annotate_callbacks import AnnotateCallbacks
 from app.ui.annotate_tab import build_annotate_tab

@@ -7,7 +7,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.inspect_service import InputError, Services, build_annotation
+from app.service import InputError, Services, build_annotation
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render

@@ -5,7 +5,7 @@ import os
 
 import gradio as gr
 
-from app.inspect_service import Services
+from app.service import Services
 from app.ui import constants as C
 from app.ui import render
 from app.ui.annotate_callbacks import AnnotateCallbacks, ReviewQueue

@@ -1,12 +1,12 @@
-"""Callbacks of the Dashboard tab: read the filters, build the figures (app.dashboard)."""
+"""Callbacks of the Dashboard tab: read the filters, build the figures (app.service.dashboard)."""
 from __future__ import annotations
 
 from typing import Any
 
 import gradio as gr
 
-from app import dashboard
-from app.inspect_service import InputError, Services
+from app.service import dashboard
+from app.service import InputError, Services
 from app.ui import constants as C
 from app.ui.run_callbacks import message_html
 from app.ui.traces_callbacks import choice, date_filter

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.inspect_service import Services
+from app.service import Services
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
 from app.ui.dashboard_callbacks import DashboardCallbacks

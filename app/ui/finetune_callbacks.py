@@ -1,8 +1,8 @@
 """Callbacks of the Fine-tune tab: preview the corrected data, fine-tune with a live loss, show before/after.
 
-Thin by design: selection, validation, training and registration are `app.finetune`'s
-(through `app.finetune_service`, which also runs the job in a worker thread), the figures
-are `app.finetune_figures`'; here are only the translations between them and Gradio.
+Thin by design: selection, validation, training and registration are `app.training.finetune`'s
+(through `app.training.service`, which also runs the job in a worker thread), the figures
+are `app.training.figures`'; here are only the translations between them and Gradio.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
-from app import finetune_figures as figures
-from app import finetune_service as service
+from app.training import figures
+from app.training import service
 from app.config import shipped_adapter
-from app.finetune import FinetuneError, FinetuneResult, validate_request
-from app.inspect_service import InputError, Services
+from app.training.finetune import FinetuneError, FinetuneResult, validate_request
+from app.service import InputError, Services
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render

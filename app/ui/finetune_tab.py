@@ -5,10 +5,10 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from app import finetune_figures as figures
-from app.finetune import MAX_HELDOUT_ROWS
-from app.finetune_service import ADAPTER_ROOT, default_name
-from app.inspect_service import Services
+from app.training import figures
+from app.training.finetune import MAX_HELDOUT_ROWS
+from app.training.service import ADAPTER_ROOT, default_name
+from app.service import Services
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
 from app.ui.finetune_callbacks import PREVIEW_COLUMNS, FinetuneCallbacks
@@ -59,7 +59,7 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
     tab.select(cb.refresh, None, [episodes, parent], api_visibility="private").then(
         cb.show_plan, data, plan_view, api_visibility="private")
     # Its own concurrency group, two slots: a second press reaches the callback at once and is
-    # told that a fine-tune is running (one at a time, enforced by app.finetune_service).
+    # told that a fine-tune is running (one at a time, enforced by app.training.service).
     run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement],
               [message, status, loss, comparison, comparison_figure, parent, name, run_adapter],
               api_name="finetune", concurrency_id="finetune", concurrency_limit=2)

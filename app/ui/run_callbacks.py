@@ -1,6 +1,6 @@
 """Callbacks of the Run tab: turn form values into a RunRequest, drive the session, render.
 
-Thin by design: the work happens in `app.inspect_service.RunSession` (engine + saving)
+Thin by design: the work happens in `app.service.RunSession` (engine + saving)
 and `app.ui.render` (views); here are only the translations between the two and Gradio.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from app.inspect_service import InputError, RunRequest, RunSession, Services, parse_settings
+from app.service import InputError, RunRequest, RunSession, Services, parse_settings, task_turns
 from app.ui import constants as C
 from app.ui import render
 
@@ -156,9 +156,7 @@ class RunCallbacks:
         info = self.services.catalog.tasks.get(form.get("task") or "")
         if info is None:
             return []
-        from app import envs
-
-        return render.chat_messages(envs.load_task(info.id).turns, [], open_turn=0)
+        return render.chat_messages(task_turns(info.id), [], open_turn=0)
 
     def preview(self, session: RunSession, **form: Any) -> tuple[str, Any]:
         if session.episode is not None and session.episode.steps:

@@ -5,7 +5,7 @@ import gradio as gr
 
 from app.config import shipped_adapter
 
-from app.inspect_service import ENV_CLASSES, RunSession, Services
+from app.service import ENV_CLASSES, RunSession, Services
 from app.ui import constants as C
 from app.ui import render
 from app.ui.assets import VIEW_CSS

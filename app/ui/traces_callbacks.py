@@ -8,7 +8,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.inspect_service import INSTRUCTION_PREFIX, InputError, Services, first_difference, task_turns
+from app.service import INSTRUCTION_PREFIX, InputError, Services, first_difference, task_turns
 from app.records import Episode
 from app.store import StoreError
 from app.trace_io import TraceFileError, export_episodes, import_records, read_trace_file

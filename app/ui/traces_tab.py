@@ -5,7 +5,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.inspect_service import Services
+from app.service import Services
 from app.ui import constants as C
 from app.ui import render
 from app.ui.assets import VIEW_CSS

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli import UserError, add_engine_options
+from app.cli.common import (UserError, add_engine_options, check_selector_or_fail, is_model_failure,
+                            load_policy_or_fail)
 from app.config import default_db_path, resolve_adapter
 from app.records import MODES
 
@@ -74,7 +75,7 @@ def _check_out(out: str) -> Path:
 def _config(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from app.evaluation import EvalConfig, resolve_tasks
+    from app.eval.evaluation import EvalConfig, resolve_tasks
 
     try:
         task_ids = resolve_tasks(args.tasks, args.split, args.limit)
@@ -116,10 +117,9 @@ def _progress_bar(total: int) -> tuple[Any, Any]:
 
 def _load(cfg: Any) -> Any:
     """The policy, refused up front when it cannot score for the `judge` selector."""
-    from app import cli
 
-    policy = cli.load_policy_or_fail(cfg.model, cfg.adapter)
-    cli.check_selector_or_fail(policy, cfg.selector, "none" if set(cfg.modes) == {"none"} else "parallel")
+    policy = load_policy_or_fail(cfg.model, cfg.adapter)
+    check_selector_or_fail(policy, cfg.selector, "none" if set(cfg.modes) == {"none"} else "parallel")
     return policy
 
 
@@ -133,8 +133,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(str(exc).splitlines()[0]) from None
     out = _check_out(args.out)
 
-    from app.eval_report import table_markdown, write_outputs
-    from app.evaluation import run_eval
+    from app.eval.report import table_markdown, write_outputs
+    from app.eval.evaluation import run_eval
     from app.store import Store, StoreError
 
     db = args.db or default_db_path()
@@ -153,9 +153,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except StoreError as exc:
         raise UserError(str(exc)) from None
     except RuntimeError as exc:
-        from app.cli import _is_model_failure
 
-        if not _is_model_failure(exc):
+        if not is_model_failure(exc):
             raise
         raise UserError(f"{str(exc).splitlines()[0]} (finished episodes are stored in {db}; run the same "
                         "command again to resume)") from None

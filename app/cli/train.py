@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from app.cli import UserError
+from app.cli.common import UserError
 from app.config import default_db_path
 
 
 def register(sub: Any) -> None:
-    from app.agent_training import AgentTrainingConfig
+    from app.training.agent import AgentTrainingConfig
 
     d = AgentTrainingConfig()  # one set of defaults: the dataclass's
     p = sub.add_parser("train-agent", help="train the shipped agent adapter (~35 min on 2 cores)",
@@ -79,7 +79,7 @@ def _bar(total: int, desc: str) -> tuple[Any, Callable[[Any], None]]:
 
 
 def cmd_train_agent(args: argparse.Namespace) -> int:
-    from app.agent_training import SHIPPED_ADAPTER, AgentTrainingConfig, train_agent
+    from app.training.agent import SHIPPED_ADAPTER, AgentTrainingConfig, train_agent
 
     cfg = AgentTrainingConfig(out=Path(args.out) if args.out else SHIPPED_ADAPTER, seed=args.seed,
                               train_tasks=args.train_tasks, round1_minutes=args.round1_minutes,
@@ -124,7 +124,7 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
 
 
 def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None) -> int:
-    from app.agent_training import evaluate_adapter
+    from app.training.agent import evaluate_adapter
 
     if not (adapter / "training.json").is_file():
         raise UserError(f"{adapter} is not an adapter written by train-agent (no training.json)")
@@ -139,13 +139,13 @@ def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from app.finetune import FinetuneError, FinetuneRequest, run_finetune, validate_request
+    from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, validate_request
     from app.store import Store, StoreError
 
     if args.parent == "none":
         parent = None
     elif args.parent == "default":
-        from app.agent_training import default_adapter_path
+        from app.training.agent import default_adapter_path
 
         parent = default_adapter_path()
     else:

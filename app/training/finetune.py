@@ -20,9 +20,9 @@ from typing import Any, Callable
 from app import envs
 from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
 from app.records import Annotation, utcnow
-from app.store import Store, _branch_from_row
-from app.training_data import (CorrectionError, PromptContext, _corrected_action, _corrected_value, correction_rows,
-                               expert_rows)
+from app.store import Store
+from app.training.rows import (CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action,
+                               parse_corrected_value)
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ def select_corrections(store: Store, episodes: list[str] | None = None, annotate
             continue
         try:
             if ann.corrected_predicted is not None:
-                _corrected_value(ann, row["aid"])
+                parse_corrected_value(ann, row["aid"])
             if (ann.corrected_action or "").strip():
-                _corrected_action(ann, row["aid"])
+                parse_corrected_action(ann, row["aid"])
         except CorrectionError as exc:
             raise FinetuneError(str(exc)) from None
         out.append(Selected(row["aid"], row["branch_id"], row["episode_id"], row["step_idx"], row["bidx"], ann))
@@ -158,7 +158,7 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> li
             ann = s.annotation
             if not (ann.corrected_action or "").strip() and ann.corrected_predicted is None:
                 # Annotated without a correction: the real response is the Rehearse target.
-                branch = _branch_from_row(store.db["branches"].get(s.branch_id))
+                _, branch = store.get_branch(s.branch_id)
                 if branch.actual_source is None or branch.call is None:
                     continue
                 ann = ann.model_copy(update={"corrected_predicted": branch.actual})

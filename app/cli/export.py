@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from app.cli import UserError
+from app.cli.common import UserError
 from app.config import default_db_path
 
 ROW_SOURCES = ("corrections", "episodes", "expert")
@@ -65,7 +65,7 @@ def _context(tokenizer_spec: str) -> Any:
     import model_backend
     from model_backend.loading import load_tokenizer
 
-    from app.training_data import PromptContext
+    from app.training.rows import PromptContext
 
     try:
         tok, window = load_tokenizer(tokenizer_spec)
@@ -75,7 +75,7 @@ def _context(tokenizer_spec: str) -> Any:
 
 
 def _expert_ids(args: argparse.Namespace) -> list[str]:
-    from app.evaluation import resolve_tasks
+    from app.eval.evaluation import resolve_tasks
 
     try:
         return resolve_tasks(args.tasks, None if args.split == "all" else args.split, args.limit)
@@ -136,10 +136,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from app import envs
-    from app.finetune import FinetuneError, build_rows, select_corrections
+    from app.training.finetune import FinetuneError, build_rows, select_corrections
     from app.store import StoreError
-    from app.training_data import expert_rows, self_training_rows
-    from app.trl_export import write_jsonl
+    from app.training.rows import expert_rows, self_training_rows
+    from app.training.trl_export import write_jsonl
 
     out = Path(args.out)
     if out.is_dir():

@@ -1,6 +1,6 @@
 """Training rows -> TRL conversational JSONL, for training at scale with `trl sft` and `accelerate launch`.
 
-The rows are the light fine-tune's own (`app.training_data`: the same prompts, built by the
+The rows are the light fine-tune's own (`app.training.rows`: the same prompts, built by the
 engine's prompt functions, and the same targets). Each becomes one JSON line:
 
 - `messages`: the prompt's chat messages, then the assistant's reply (the target, after any
@@ -146,7 +146,7 @@ def row_record(row: TrainRow, branches: dict[str, Branch], tools: list[Tool] | N
 def step_tools(episodes: dict[str, Episode]) -> dict[str, list[Tool]]:
     """`episode/step` -> the tools the agent had at that step (the same replay that built the prompts)."""
     from app import envs
-    from app.training_data import replay
+    from app.training.rows import replay
 
     out: dict[str, list[Tool]] = {}
     for ep in episodes.values():

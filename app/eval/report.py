@@ -1,4 +1,4 @@
-"""Rendering of an eval result (`app.evaluation.run_eval`): results.json, results.md, plotly figures.
+"""Rendering of an eval result (`app.eval.evaluation.run_eval`): results.json, results.md, plotly figures.
 
 No metrics are computed here: every number comes from the result dict.
 """
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from app.evaluation import BEST_OF_K
+from app.eval.evaluation import BEST_OF_K
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the Fine-tune tab asks of `app.finetune`, without Gradio: the form, the data preview, the job.
+"""What the Fine-tune tab asks of `app.training.finetune`, without Gradio: the form, the data preview, the job.
 
 The fine-tune itself (validation, training, atomic save, registration) is the library's
 `run_finetune`; here are the UI's translations around it: raw form values -> a
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from app.config import shipped_adapter
-from app.finetune import (MAX_HELDOUT_ROWS, FinetuneError, FinetuneRequest, FinetuneResult, Selected, build_rows,
+from app.training.finetune import (MAX_HELDOUT_ROWS, FinetuneError, FinetuneRequest, FinetuneResult, Selected, build_rows,
                           run_finetune, select_corrections)
-from app.inspect_service import InputError, parse_number
+from app.service import InputError, parse_number
 from app.store import Store
-from app.training_data import PromptContext
+from app.training.rows import PromptContext
 
 log = logging.getLogger(__name__)
 

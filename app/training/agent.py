@@ -24,10 +24,10 @@ from typing import Any, Callable
 from app import envs
 from app.config import SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare
-from app.evaluation import access_of, call_matches, episode_metrics, fidelity_by
+from app.eval.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
 from app.records import Episode, RunSettings
-from app.training_data import (PromptContext, expert_episode, expert_rows,
+from app.training.rows import (PromptContext, expert_episode, expert_rows,
                                rehearse_row_prompt, replay, self_training_rows)
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ CALIBRATION_BINS = 5
 LAYOUT = {"height": 340, "margin": {"l": 50, "r": 20, "t": 50, "b": 50}, "template": "plotly_white"}
 
 
-def _empty(title: str, why: str = "No data yet: run some steps (Run tab) or loosen the filters.") -> go.Figure:
+def empty_figure(title: str, why: str = "No data yet: run some steps (Run tab) or loosen the filters.") -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=why, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_layout(title=title, xaxis={"visible": False}, yaxis={"visible": False}, **LAYOUT)
@@ -40,7 +40,7 @@ def fidelity_by_tool(branches: list[dict[str, Any]]) -> go.Figure:
         if r["call_name"] and r["json_valid"] is not None:
             by_tool[r["call_name"]].append(r)
     if not by_tool:
-        return _empty(title)
+        return empty_figure(title)
     tools = sorted(by_tool, key=lambda t: -len(by_tool[t]))
     fig = go.Figure()
     for metric in ("exact", "field_f1", "error_agree"):
@@ -59,7 +59,7 @@ def divergence_by_step(branches: list[dict[str, Any]]) -> go.Figure:
         if r["field_f1"] is not None:
             series[r["mode"]][r["step_idx"]].append(1.0 - r["field_f1"])
     if not series:
-        return _empty(title)
+        return empty_figure(title)
     fig = go.Figure()
     for mode, by_step in sorted(series.items()):
         steps = sorted(by_step)
@@ -78,7 +78,7 @@ def success_and_calls_by_mode(episodes: list[dict[str, Any]]) -> go.Figure:
     for e in episodes:
         by_mode[e["mode"]].append(e)
     if not by_mode:
-        return _empty(title)
+        return empty_figure(title)
     modes = sorted(by_mode)
     fig = make_subplots(rows=1, cols=2, subplot_titles=("success rate (judged episodes)", "external calls / episode"))
     fig.add_bar(x=modes, y=[_mean(e["success"] for e in by_mode[m]) for m in modes], name="success",
@@ -113,7 +113,7 @@ def calibration(branches: list[dict[str, Any]]) -> go.Figure:
             if p is not None:
                 points.append((p, 0.0 if r["actual_error"] else 1.0))
     if not points:
-        return _empty(title, "No scored committed calls yet (mode none has no selector score).")
+        return empty_figure(title, "No scored committed calls yet (mode none has no selector score).")
     bins: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for p, ok in points:
         bins[min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)].append((p, ok))
@@ -132,7 +132,7 @@ def calibration(branches: list[dict[str, Any]]) -> go.Figure:
 def annotations_by_label(counts: list[dict[str, Any]]) -> go.Figure:
     title = "Annotations by label"
     if not counts:
-        return _empty(title, "No annotations yet (Annotate tab).")
+        return empty_figure(title, "No annotations yet (Annotate tab).")
     n = {c["label"] or "(no label)": c["n"] for c in counts}
     order = [label for label in LABELS if label in n] + [label for label in n if label not in LABELS]
     fig = go.Figure(go.Bar(x=order, y=[n[label] for label in order]))

@@ -6,7 +6,7 @@ an episode whose (task, model, adapter, settings) the database already holds fin
 read back instead of run again (settings include mode, K, seed, selector and budgets).
 All figures are computed from the Episode records, so they equal what the store holds.
 
-`run_eval()` is what `python -m app eval` calls; `app.eval_report` renders its result.
+`run_eval()` is what `python -m app eval` calls; `app.eval.report` renders its result.
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def episode_metrics(episodes: list[Episode], tasks: dict[str, Task] | None = Non
 
     Call accuracy: committed steps whose call equals one of the turn's ground-truth calls,
     over committed steps in judged turns that have ground truth; fidelity here counts the
-    branches of those steps (kept as `agent_training` has always reported it).
+    branches of those steps (kept as `training.agent` has always reported it).
     """
     infos = _infos(episodes, tasks)
     steps = matched = calls = parse_errors = turns = passed = 0
@@ -371,7 +371,7 @@ def state_context_probe(policy: Any, episodes: list[Episode], tasks: dict[str, T
     episodes in order, are rehearsed twice: with the history alone and with the history
     plus the state before the step (the runner's two `rehearsal_context` settings).
     """
-    from app.training_data import replay, rehearse_row_prompt
+    from app.training.rows import replay, rehearse_row_prompt
     from model_backend.base import GenerationConfig
 
     items: list[tuple[Any, Any, Any]] = []  # (view, call, actual)

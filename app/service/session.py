@@ -1,4 +1,4 @@
-"""The inspector's service layer: what the UI asks of the engine and the store, without Gradio.
+"""One browser session's run, and what all sessions share.
 
 `Services` is shared by every browser session (the store, the task catalog, the policy
 cache). `RunSession` is one session's run: its own `EpisodeRunner`, saving each finished
@@ -8,220 +8,23 @@ through the database, and only once a step is saved.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pydantic import ValidationError
-
 from app import envs
-from app.config import DEFAULT_MODEL
-from app.envs.base import Task, TurnCheck
-from app.envs.bfcl_tasks import CLASS_SOURCES
 from app.engine import selection
-from app.formats import branch_key, parse_action
-from app.records import LABELS, MODES, Annotation, Episode, RunSettings, Step
+from app.envs.base import Task
+from app.records import Episode, Step
+from app.service.catalog import INSTRUCTION_PREFIX, RunRequest, TaskCatalog, discover_adapters
+from app.service.forms import InputError, SessionBusyError
 from app.store import Recorder, Store, StoreError
 from model_backend.base import RemoteCapabilityError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
-INSTRUCTION_PREFIX = "instruction:"
-"""Task ids of typed instructions: `instruction:<EnvClass>` (no ground truth, never judged)."""
-INSTRUCTION_BUDGET = 4
-"""Steps per turn for a typed instruction (there is no gold sequence to size it from)."""
-ENV_CLASSES: tuple[str, ...] = tuple(CLASS_SOURCES)
-
 PolicyLoader = Callable[[str, "str | None"], Any]
 Report = Callable[[float, str], None]
-
-
-class InputError(ValueError):
-    """Input the user can fix; the message says how (shown in the UI, nothing written)."""
-
-
-class SessionBusyError(InputError):
-    """A second run was asked for while this session's run is still working."""
-
-
-# ---------------------------------------------------------------- settings
-
-
-_SETTING_NAMES = {"branches": "K (branches)", "seed": "Seed", "temperature": "Temperature",
-                  "max_action_tokens": "Max action tokens", "max_rehearsal_tokens": "Max rehearsal tokens",
-                  "max_steps_per_turn": "Steps per turn"}
-
-
-def _bound(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def parse_number(label: str, value: Any, low: float, high: float, whole: bool = True) -> float:
-    """A form field as a number within [low, high] (a whole one if `whole`), or a clear InputError."""
-    kind = "a whole number" if whole else "a number"
-    span = f"from {_bound(low)} to {_bound(high)}"
-    if value is None or value == "":
-        raise InputError(f"{label} is empty: enter {kind} {span}.")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{label} must be {kind} {span}; got {value!r}.") from None
-    if not math.isfinite(number) or (whole and number != int(number)) or not low <= number <= high:
-        raise InputError(f"{label} must be {kind} {span}; got {number:g}.")
-    return number
-
-
-def _whole(name: str, value: Any, low: int, high: int) -> int:
-    return int(parse_number(_SETTING_NAMES.get(name, name), value, low, high))
-
-
-def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
-                   rehearsal_context: str, tool_choice: str = "auto", constrain: bool = True,
-                   max_action_tokens: Any = 96,
-                   max_rehearsal_tokens: Any = 128) -> RunSettings:
-    """RunSettings from raw UI values, or an InputError that names the field and its range."""
-    if mode not in MODES:
-        raise InputError(f"Mode must be one of {', '.join(MODES)}; got {mode!r}.")
-    k = _whole("branches", branches, 1, 16)
-    values = dict(mode=mode, branches=1 if mode == "none" else k, selector=selector,
-                  seed=_whole("seed", seed, 0, 2**31 - 1), shadow=bool(shadow),
-                  rehearsal_context=rehearsal_context, tool_choice=tool_choice, constrain=bool(constrain),
-                  max_action_tokens=_whole("max_action_tokens", max_action_tokens, 8, 1024),
-                  max_rehearsal_tokens=_whole("max_rehearsal_tokens", max_rehearsal_tokens, 8, 2048))
-    try:
-        values["temperature"] = float(temperature)
-        return RunSettings(**values)
-    except (TypeError, ValueError, ValidationError) as exc:
-        if isinstance(exc, ValidationError):
-            err = exc.errors()[0]
-            name = str(err["loc"][0]) if err["loc"] else "settings"
-            raise InputError(f"{_SETTING_NAMES.get(name, name.replace('_', ' ').capitalize())}: {err['msg']}.") from None
-        raise InputError(f"Temperature must be a number from 0 to 2; got {temperature!r}.") from None
-
-
-# ---------------------------------------------------------------- tasks
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    id: str
-    category: str
-    env_classes: tuple[str, ...]
-    first_message: str
-
-
-class TaskCatalog:
-    """Every runnable task with its category, environment classes and first user message (loaded once)."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, TaskInfo] | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def tasks(self) -> dict[str, TaskInfo]:
-        with self._lock:
-            if self._tasks is None:
-                self._tasks = {}
-                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock"):
-                    task = envs.load_task(task_id)
-                    first = next((m["content"] for turn in task.turns for m in turn), "")
-                    self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
-            return self._tasks
-
-    @property
-    def categories(self) -> list[str]:
-        return sorted({t.category for t in self.tasks.values()})
-
-    @property
-    def env_classes(self) -> list[str]:
-        return sorted({c for t in self.tasks.values() for c in t.env_classes})
-
-    def filter(self, env_class: str | None = None, category: str | None = None) -> list[TaskInfo]:
-        return [t for t in self.tasks.values()
-                if (not env_class or env_class in t.env_classes) and (not category or t.category == category)]
-
-    def env_classes_of(self, task_id: str) -> tuple[str, ...]:
-        if task_id.startswith(INSTRUCTION_PREFIX):
-            return tuple(task_id[len(INSTRUCTION_PREFIX):].split("+"))
-        info = self.tasks.get(task_id)
-        return info.env_classes if info else ()
-
-    def ids_with_class(self, env_class: str) -> list[str]:
-        return [t.id for t in self.tasks.values() if env_class in t.env_classes]
-
-
-class UnjudgedJudge:
-    """The judge of a typed instruction: there is no ground truth, so turns are recorded, not judged."""
-
-    def __init__(self, instruction: str) -> None:
-        self.instruction = instruction
-
-    def check_turn(self, turn_index: int, env: Any, executed: list) -> TurnCheck:
-        return TurnCheck(success=False, details={"judged": False, "instruction": self.instruction,
-                                                 "model_calls": len(executed)})
-
-
-def instruction_task(text: str, env_class: str) -> Task:
-    """A one-turn task from a typed instruction on one BFCL environment class (default initial state)."""
-    text = (text or "").strip()
-    if not text:
-        raise InputError("The instruction is empty: type what the agent should do, or pick a benchmark task.")
-    if env_class not in ENV_CLASSES:
-        raise InputError(f"Pick an environment for the instruction (one of {', '.join(ENV_CLASSES)}).")
-    return Task(id=f"{INSTRUCTION_PREFIX}{env_class}", category="instruction",
-                turns=[[{"role": "user", "content": text}]], env_classes=[env_class],
-                max_steps_per_turn=INSTRUCTION_BUDGET)
-
-
-def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
-    """User turns of a stored episode's task (typed instructions keep theirs in the turn results)."""
-    if task_id.startswith(INSTRUCTION_PREFIX):
-        for t in episode.turn_results if episode else []:
-            if t.details.get("instruction"):
-                return [[{"role": "user", "content": t.details["instruction"]}]]
-        return []
-    try:
-        return envs.load_task(task_id).turns
-    except ValueError:
-        return []
-
-
-@dataclass(frozen=True)
-class RunRequest:
-    """What the Run tab asks to run: a task (or typed instruction), a model, and settings."""
-
-    task_id: str | None
-    instruction: str = ""
-    env_class: str = ""
-    model: str = DEFAULT_MODEL
-    adapter: str | None = None
-    settings: RunSettings = field(default_factory=RunSettings)
-
-    @property
-    def key(self) -> str:
-        """Equal keys continue the same episode; a different key starts a new one."""
-        return json.dumps([self.task_id, self.instruction.strip(), self.env_class, self.model, self.adapter,
-                           self.settings.model_dump()], sort_keys=True)
-
-    def task(self) -> tuple[Task, Any]:
-        """The task and its judge (None: the suite's own)."""
-        if self.task_id:
-            try:
-                return envs.load_task(self.task_id), None
-            except ValueError as exc:
-                raise InputError(str(exc)) from None
-        if self.instruction.strip() or self.env_class:
-            task = instruction_task(self.instruction, self.env_class)
-            return task, UnjudgedJudge(self.instruction.strip())
-        raise InputError("No task: pick a benchmark task, or type an instruction and pick its environment.")
-
-
-# ---------------------------------------------------------------- policy
 
 
 class ProgressPolicy:
@@ -263,13 +66,6 @@ class ProgressPolicy:
         self._say("score", "Scoring: selector and surprise")
         self.scored += 1
         return self.inner.score(prompts, continuations)
-
-
-def discover_adapters(root: Path = ROOT / "fixtures") -> list[str]:
-    """LoRA adapter directories under fixtures/ (any folder holding an adapter_config.json)."""
-    if not root.is_dir():
-        return []
-    return sorted(str(p.parent.relative_to(ROOT)) for p in root.glob("**/adapter_config.json"))
 
 
 class Services:
@@ -500,49 +296,3 @@ class RunSession:
     def take_notices(self) -> list[str]:
         out, self.notices = self.notices, []
         return out
-
-
-# ---------------------------------------------------------------- traces and annotation
-
-
-def committed_key(step: Step) -> str:
-    """What a step did, for comparing two episodes: the committed call, answer or parse error."""
-    b = step.chosen_branch
-    return branch_key(b.kind, b.call, b.action_text)
-
-
-def first_difference(a: Episode, b: Episode) -> int | None:
-    """Index of the first step where the two episodes committed different actions (None: none)."""
-    for i, (sa, sb) in enumerate(zip(a.steps, b.steps)):
-        if committed_key(sa) != committed_key(sb):
-            return i
-    if len(a.steps) != len(b.steps):
-        return min(len(a.steps), len(b.steps))
-    return None
-
-
-def build_annotation(branch_id: int, label: str | None, corrected_predicted: str, corrected_action: str,
-                     note: str, annotator: str) -> Annotation:
-    """A validated Annotation, or an InputError saying what to fix (nothing is written)."""
-    label = label or None
-    if label is not None and label not in LABELS:
-        raise InputError(f"Unknown label {label!r}; pick one of {', '.join(LABELS)}.")
-    predicted: Any = None
-    text = (corrected_predicted or "").strip()
-    if text:
-        try:
-            predicted = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"The corrected predicted response is not valid JSON (line {exc.lineno}, "
-                             f"column {exc.colno}: {exc.msg}). Fix it or clear the field.") from None
-    action = (corrected_action or "").strip() or None
-    if action is not None and parse_action(action).kind == "parse_error":
-        raise InputError(f"The corrected action does not parse: {parse_action(action).error}. "
-                         'Write <tool_call>{"name": ..., "arguments": {...}}</tool_call> or a plain-text answer.')
-    if label is None and predicted is None and action is None and not (note or "").strip():
-        raise InputError("Nothing to save: pick a label, or give a correction or a note.")
-    annotator = (annotator or "").strip()
-    if not annotator:
-        raise InputError("Annotator is empty: type your name (or sign in on the Space).")
-    return Annotation(branch_id=branch_id, label=label, corrected_predicted=predicted,
-                      corrected_action=action, note=(note or "").strip(), annotator=annotator[:100])

@@ -1,7 +1,7 @@
 """The Fine-tune tab's views: the live loss curve and the before/after table and figure.
 
 Pure functions of the library's numbers (`FinetuneResult.losses`, `.metrics`), as in
-`app.dashboard`: an empty input gives a figure that says so, never an exception.
+`app.service.dashboard`: an empty input gives a figure that says so, never an exception.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.dashboard import LAYOUT, _empty
+from app.service.dashboard import LAYOUT, empty_figure
 
 METRICS: tuple[tuple[str, str, bool], ...] = (
     ("rehearse_nll", "Rehearse NLL", True),
@@ -27,7 +27,7 @@ def loss_figure(losses: list[float], steps: int | None = None) -> go.Figure:
     """Loss of each optimizer step; the x axis spans the whole run so the curve shows progress."""
     title = "Training loss"
     if not losses:
-        return _empty(title, "The loss appears here once training starts (the model loads first).")
+        return empty_figure(title, "The loss appears here once training starts (the model loads first).")
     fig = go.Figure()
     fig.add_scatter(x=list(range(1, len(losses) + 1)), y=losses, mode="lines+markers", name="loss",
                     hovertemplate="step %{x}: %{y:.4f}<extra></extra>")
@@ -65,7 +65,7 @@ def comparison_figure(metrics: dict[str, Any]) -> go.Figure:
     title = "Before and after the fine-tune"
     rows = comparison_rows(metrics)
     if not rows:
-        return _empty(title, "Run a fine-tune to compare the model before and after.")
+        return empty_figure(title, "Run a fine-tune to compare the model before and after.")
     fig = make_subplots(rows=1, cols=2, subplot_titles=("NLL (lower is better)",
                                                         "Exact / agreement (higher is better)"))
     lower = {label: lower_better for _, label, lower_better in METRICS}

@@ -214,7 +214,7 @@ def self_training_rows(episodes: Iterable[Episode], ctx: PromptContext) -> list[
 # ---------------------------------------------------------------- corrections
 
 
-def _corrected_value(annotation: Annotation, annotation_id: Any) -> Any:
+def parse_corrected_value(annotation: Annotation, annotation_id: Any) -> Any:
     value = annotation.corrected_predicted
     if isinstance(value, str):
         # The UI stores what the person typed; it must be a JSON document.
@@ -226,7 +226,7 @@ def _corrected_value(annotation: Annotation, annotation_id: Any) -> Any:
     return value
 
 
-def _corrected_action(annotation: Annotation, annotation_id: Any) -> Branch:
+def parse_corrected_action(annotation: Annotation, annotation_id: Any) -> Branch:
     text = (annotation.corrected_action or "").strip()
     parsed = parse_action(text)
     if parsed.kind == "parse_error":
@@ -253,16 +253,16 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
             ref = f"{episode.id}/{view.step.index}/{b.index}#annotation{ann_id}"
             if ann.corrected_action is not None and ann.corrected_action.strip():
                 prompt = act_row_prompt(view, ctx)
-                target = act_target(_corrected_action(ann, ann_id), prompt.prefill)
+                target = act_target(parse_corrected_action(ann, ann_id), prompt.prefill)
                 if target is None:
                     raise CorrectionError(f"annotation {ann_id}: the corrected action must be a tool call "
                                           "(the episode forced tool calls)")
                 rows.append(TrainRow("act", prompt, target, "correction", ref))
             if ann.corrected_predicted is not None:
-                value = _corrected_value(ann, ann_id)
+                value = parse_corrected_value(ann, ann_id)
                 call = b.call
                 if call is None and ann.corrected_action:
-                    call = _corrected_action(ann, ann_id).call
+                    call = parse_corrected_action(ann, ann_id).call
                 if call is None:
                     raise CorrectionError(f"annotation {ann_id}: a corrected response needs a branch with a tool call")
                 rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context,

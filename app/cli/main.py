@@ -1,4 +1,4 @@
-"""Command line: `python -m app tasks | run | serve`.
+"""Command line: `python -m app tasks | run | serve`, plus the subcommands of `train`, `evaluate`, `export`.
 
 Each command opens resources, calls one library function, formats the result. User
 errors become one line on stderr and exit status 2, never a traceback. Heavy imports
@@ -12,37 +12,13 @@ import logging
 import sys
 from typing import Any, Callable
 
-from app.config import DEFAULT_MODEL, DEFAULT_TASK, default_db_path, resolve_adapter
-from app.records import MODES, REHEARSAL_CONTEXTS, SELECTORS
+from app.cli import evaluate, export, train
+from app.cli.common import (UserError, add_engine_options, check_selector_or_fail, is_model_failure,
+                            load_policy_or_fail, load_task_or_fail)
+from app.config import DEFAULT_TASK, default_db_path, resolve_adapter
+from app.records import MODES
 
 log = logging.getLogger("app")
-
-
-class UserError(Exception):
-    """A mistake the user can fix; printed as one line, exit status 2 (raise it from any command)."""
-
-
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by `run` and `eval`: selector, sampling, budgets, model, database."""
-    p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
-    p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
-    p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
-                   help="what the Rehearse role sees besides the call")
-    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
-                   help="`required` makes every step a tool call")
-    p.add_argument("--constrain", choices=("on", "off"), default="on",
-                   help="schema-constrained Act and Rehearse decoding (local models): `off` decodes freely")
-    p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")
-    p.add_argument("--max-action-tokens", type=int, default=96, help="token budget of one Act output")
-    p.add_argument("--max-rehearsal-tokens", type=int, default=128, help="token budget of one Rehearse output")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model> "
-                        "(an OpenAI-compatible server; API key from $ENVACE_API_KEY or $OPENAI_API_KEY)")
-    p.add_argument("--adapter", default=None,
-                   help="LoRA adapter directory; `none` for the bare base model; `default` for the shipped "
-                        "adapter (the default for `embedded`)")
-    p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -75,16 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.set_defaults(func=cmd_serve)
 
-    for register in _extra_commands():
-        register(sub)
+    for module in (train, evaluate, export):  # subcommands owned by their own modules
+        module.register(sub)
     return parser
-
-
-def _extra_commands() -> list[Callable[[Any], None]]:
-    """Subcommands owned by other modules (training, evaluation), registered without heavy imports."""
-    from app import commands
-
-    return list(commands.registrars())
 
 
 # ------------------------------------------------------------------ commands
@@ -99,40 +68,6 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     print("\n".join(ids))
     return 0
-
-
-def load_task_or_fail(task_id: str):
-    from app import envs
-
-    try:
-        return envs.load_task(task_id)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-
-
-def load_policy_or_fail(spec: str, adapter: str | None):
-    """The policy, or a one-line UserError (bad spec, missing weights, server down or wrong model name)."""
-    import model_backend
-
-    try:
-        return model_backend.load_policy(spec, adapter=adapter)
-    except (model_backend.ModelSpecError, model_backend.MissingModelError, model_backend.AdapterError) as exc:
-        raise UserError(str(exc).splitlines()[0]) from None
-    except RuntimeError as exc:
-        if _is_model_failure(exc):  # RemoteError and its kinds
-            raise UserError(str(exc).splitlines()[0]) from None
-        raise
-
-
-def check_selector_or_fail(policy: Any, selector: str, mode: str) -> None:
-    """`judge` needs prompt log-probabilities: refuse it up front for a server that has none."""
-    from app.engine.selection import check_selector
-    from model_backend.base import RemoteCapabilityError
-
-    try:
-        check_selector(policy, selector, mode)
-    except RemoteCapabilityError as exc:
-        raise UserError(str(exc)) from None
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -194,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         runner.stop()
     except RuntimeError as exc:
-        if not _is_model_failure(exc):
+        if not is_model_failure(exc):
             raise
         # The server went away mid-step: the finished steps are already stored; say so and stop.
         ep = runner.episode
@@ -215,13 +150,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(episode_json(ep), ensure_ascii=False, default=str))
     return 0
-
-
-def _is_model_failure(exc: BaseException) -> bool:
-    """A remote server's failure (RemoteError kinds, RemoteCapabilityError), not a bug of ours."""
-    import model_backend
-
-    return isinstance(exc, (model_backend.RemoteCapabilityError, model_backend.RemoteError))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,19 @@
+"""The inspector's service layer: what the UI asks of the engine and the store, without Gradio.
+
+- `forms`: form fields -> `RunSettings` / `Annotation`, or an `InputError` saying what to fix.
+- `catalog`: the task catalog, typed instructions, the Run tab's `RunRequest`, adapters on disk.
+- `session`: `Services` (shared by every browser session: store, catalog, policy cache) and
+  `RunSession` (one session's run, saved step by step).
+- `diffing`: where two episodes first committed different actions.
+- `dashboard`: the Dashboard's plotly figures from the store's read queries.
+
+The UI imports from this package only; nothing here imports Gradio.
+"""
+from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
+from app.service.diffing import first_difference
+from app.service.forms import InputError, build_annotation, parse_number, parse_settings
+from app.service.session import RunSession, Services
+
+__all__ = ["ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
+           "build_annotation", "first_difference", "parse_number", "parse_settings",
+           "task_turns"]

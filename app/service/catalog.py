@@ -1,0 +1,147 @@
+"""What can run: the task catalog, typed instructions, the run request of the Run tab, adapters on disk.
+
+The catalog loads every task once (shared by all sessions); a `RunRequest` resolves to a
+task and its judge, or to an `InputError`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app import envs
+from app.config import DEFAULT_MODEL, ROOT
+from app.envs.base import Task, TurnCheck
+from app.envs.bfcl_tasks import CLASS_SOURCES
+from app.records import Episode, RunSettings
+from app.service.forms import InputError
+
+
+INSTRUCTION_PREFIX = "instruction:"
+"""Task ids of typed instructions: `instruction:<EnvClass>` (no ground truth, never judged)."""
+INSTRUCTION_BUDGET = 4
+"""Steps per turn for a typed instruction (there is no gold sequence to size it from)."""
+ENV_CLASSES: tuple[str, ...] = tuple(CLASS_SOURCES)
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    id: str
+    category: str
+    env_classes: tuple[str, ...]
+    first_message: str
+
+
+class TaskCatalog:
+    """Every runnable task with its category, environment classes and first user message (loaded once)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, TaskInfo] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def tasks(self) -> dict[str, TaskInfo]:
+        with self._lock:
+            if self._tasks is None:
+                self._tasks = {}
+                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock"):
+                    task = envs.load_task(task_id)
+                    first = next((m["content"] for turn in task.turns for m in turn), "")
+                    self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
+            return self._tasks
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({t.category for t in self.tasks.values()})
+
+    @property
+    def env_classes(self) -> list[str]:
+        return sorted({c for t in self.tasks.values() for c in t.env_classes})
+
+    def filter(self, env_class: str | None = None, category: str | None = None) -> list[TaskInfo]:
+        return [t for t in self.tasks.values()
+                if (not env_class or env_class in t.env_classes) and (not category or t.category == category)]
+
+    def env_classes_of(self, task_id: str) -> tuple[str, ...]:
+        if task_id.startswith(INSTRUCTION_PREFIX):
+            return tuple(task_id[len(INSTRUCTION_PREFIX):].split("+"))
+        info = self.tasks.get(task_id)
+        return info.env_classes if info else ()
+
+    def ids_with_class(self, env_class: str) -> list[str]:
+        return [t.id for t in self.tasks.values() if env_class in t.env_classes]
+
+
+class UnjudgedJudge:
+    """The judge of a typed instruction: there is no ground truth, so turns are recorded, not judged."""
+
+    def __init__(self, instruction: str) -> None:
+        self.instruction = instruction
+
+    def check_turn(self, turn_index: int, env: Any, executed: list) -> TurnCheck:
+        return TurnCheck(success=False, details={"judged": False, "instruction": self.instruction,
+                                                 "model_calls": len(executed)})
+
+
+def instruction_task(text: str, env_class: str) -> Task:
+    """A one-turn task from a typed instruction on one BFCL environment class (default initial state)."""
+    text = (text or "").strip()
+    if not text:
+        raise InputError("The instruction is empty: type what the agent should do, or pick a benchmark task.")
+    if env_class not in ENV_CLASSES:
+        raise InputError(f"Pick an environment for the instruction (one of {', '.join(ENV_CLASSES)}).")
+    return Task(id=f"{INSTRUCTION_PREFIX}{env_class}", category="instruction",
+                turns=[[{"role": "user", "content": text}]], env_classes=[env_class],
+                max_steps_per_turn=INSTRUCTION_BUDGET)
+
+
+def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
+    """User turns of a stored episode's task (typed instructions keep theirs in the turn results)."""
+    if task_id.startswith(INSTRUCTION_PREFIX):
+        for t in episode.turn_results if episode else []:
+            if t.details.get("instruction"):
+                return [[{"role": "user", "content": t.details["instruction"]}]]
+        return []
+    try:
+        return envs.load_task(task_id).turns
+    except ValueError:
+        return []
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What the Run tab asks to run: a task (or typed instruction), a model, and settings."""
+
+    task_id: str | None
+    instruction: str = ""
+    env_class: str = ""
+    model: str = DEFAULT_MODEL
+    adapter: str | None = None
+    settings: RunSettings = field(default_factory=RunSettings)
+
+    @property
+    def key(self) -> str:
+        """Equal keys continue the same episode; a different key starts a new one."""
+        return json.dumps([self.task_id, self.instruction.strip(), self.env_class, self.model, self.adapter,
+                           self.settings.model_dump()], sort_keys=True)
+
+    def task(self) -> tuple[Task, Any]:
+        """The task and its judge (None: the suite's own)."""
+        if self.task_id:
+            try:
+                return envs.load_task(self.task_id), None
+            except ValueError as exc:
+                raise InputError(str(exc)) from None
+        if self.instruction.strip() or self.env_class:
+            task = instruction_task(self.instruction, self.env_class)
+            return task, UnjudgedJudge(self.instruction.strip())
+        raise InputError("No task: pick a benchmark task, or type an instruction and pick its environment.")
+
+
+def discover_adapters(root: Path = ROOT / "fixtures") -> list[str]:
+    """LoRA adapter directories under fixtures/ (any folder holding an adapter_config.json)."""
+    if not root.is_dir():
+        return []
+    return sorted(str(p.parent.relative_to(ROOT)) for p in root.glob("**/adapter_config.json"))

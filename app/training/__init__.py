@@ -1,0 +1,8 @@
+"""Training, jointly on acting and rehearsing.
+
+- `rows`: Act and Rehearse rows from traces (expert replays, self-training, corrections).
+- `agent`: the shipped adapter (expert rows -> joint training -> reward-filtered self-training).
+- `finetune`: light fine-tuning on a person's corrections, registered as a new adapter.
+- `service` and `figures`: what the Fine-tune tab asks of `finetune`, and its plots.
+- `trl_export`: rows as TRL conversational JSONL, for training at scale.
+"""
