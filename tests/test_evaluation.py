@@ -261,14 +261,14 @@ def test_resolve_tasks():
 
 @pytest.fixture
 def scripted_model(monkeypatch):
-    import app.cli.main
+    import app.cli.evaluate
 
     loads = []
 
     def load(spec, adapter):
         loads.append((spec, adapter))
         return PromptPolicy()
-    monkeypatch.setattr(app.cli.main, "load_policy_or_fail", load)
+    monkeypatch.setattr(app.cli.evaluate, "load_policy_or_fail", load)
     return loads
 
 

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind")
     p.add_argument("--port", type=int, default=7860, help="port")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
+    p.add_argument("--mcp", action="store_true",
+                   help="also serve the world model as an MCP server (tools `rehearse` and `propose`) at "
+                        "/gradio_api/mcp/ (streamable HTTP)")
     p.set_defaults(func=cmd_serve)
 
     for module in (train, evaluate, export):  # subcommands owned by their own modules
@@ -156,10 +159,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.ui import build_demo
     from app.ui import constants as C
 
-    demo = build_demo(db_path=args.db or default_db_path())
+    demo = build_demo(db_path=args.db or default_db_path(), mcp=args.mcp)
     stop = shutdown_event()  # before launch: a SIGTERM as soon as the port answers is heard too
     demo.queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port,
-                                                   max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True)
+                                                   max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True,
+                                                   mcp_server=args.mcp)
     wait_for(stop)
     demo.close()
     return 0

@@ -19,6 +19,7 @@ from app.ui.dashboard_tab import build_dashboard_tab
 from app.ui.finetune_tab import build_finetune_tab
 from app.ui.run_tab import build_run_tab
 from app.ui.traces_tab import build_traces_tab
+from app.ui.world_model_api import only_world_model_public, register_world_model
 
 __all__ = ["build_demo"]
 
@@ -29,8 +30,10 @@ forks (writes included) to show their real response. Compare predicted and actua
 fine-tune the agent on your corrections."""
 
 
-def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None) -> gr.Blocks:
-    """The app. `policy_loader(model, adapter)` replaces model loading (tests inject a scripted policy)."""
+def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None,
+               mcp: bool = False) -> gr.Blocks:
+    """The app. `policy_loader(model, adapter)` replaces model loading (tests inject a scripted policy).
+    `mcp`: list only `rehearse` and `propose` as API endpoints (the MCP tools of `serve --mcp`)."""
     services = Services(db_path or default_db_path(), policy_loader)
     with gr.Blocks(title=C.TITLE, fill_width=True) as demo:
         gr.Markdown(INTRO)
@@ -49,6 +52,9 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
         demo.load(None, js=HOVER_JS)
         demo.load(AnnotateCallbacks.annotator_from_login, None, annotator, api_visibility="private")
         demo.load(run["adapter_choices"], None, run["adapter"], api_visibility="private")
+        register_world_model(services)
+    if mcp:
+        only_world_model_public(demo)
     demo.queue(default_concurrency_limit=C.MODEL_CONCURRENCY, max_size=64)
     demo.services = services  # type: ignore[attr-defined]  # tests and app.py reach the store through it
     return demo
