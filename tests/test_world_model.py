@@ -126,8 +126,11 @@ def test_rehearse_predicts_a_json_response_with_its_confidence(policy):
     assert out.valid and out.predicted is not None and out.call == {"name": "ls", "arguments": {}}
     assert out.predicted_text.startswith("<execution_result>")
     assert 0 < out.confidence <= 1
-    error = WorldModel(policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
-    assert error.valid  # a wrong argument type is the model's to judge: it still writes a JSON response
+    # A wrong argument type is the model's to judge, not an input error: it still rehearses the call.
+    typed = WorldModel(policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
+    assert typed.call == {"name": "cd", "arguments": {"folder": 3}}
+    assert typed.predicted_text.startswith("<execution_result>")
+    assert typed.valid == (typed.predicted is not None) == (typed.confidence is not None)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ descriptions (Gradio reads them), so they speak to the agent that calls the tool
 """
 from __future__ import annotations
 
-from typing import Any
+import json
 
 from app.config import DEFAULT_MODEL, resolve_adapter
 from app.engine.world_model import WorldModel, WorldModelInputError, as_dict
@@ -26,7 +26,7 @@ class WorldModelTools:
     def _world(self) -> WorldModel:
         return WorldModel(self.services.policy(self.model, self.adapter))
 
-    def rehearse(self, tools: list[dict], history: list[dict], call: dict) -> dict:
+    def rehearse(self, tools: list[dict], history: list[dict], call: dict) -> str:
         """Predict what a tool call will return, before spending the real call.
 
         The rehearsing model reads the tools, the conversation so far and the call, and writes the
@@ -39,14 +39,14 @@ class WorldModelTools:
             call: the call to rehearse: {"name": <a tool name>, "arguments": {...}}.
 
         Returns:
-            {"call", "predicted" (the expected response, JSON), "predicted_text", "valid" (the prediction parsed), "predicts_error", "confidence" (0 to 1)}.
+            A JSON object: {"call", "predicted" (the expected response), "predicted_text", "valid" (the prediction parsed), "predicts_error", "confidence" (0 to 1)}.
         """
         try:
-            return as_dict(self._world().rehearse(tools, history, call))
+            return _json(as_dict(self._world().rehearse(tools, history, call)))
         except WorldModelInputError as exc:
             raise InputError(str(exc)) from None
 
-    def propose(self, tools: list[dict], history: list[dict], k: int = 4) -> dict:
+    def propose(self, tools: list[dict], history: list[dict], k: int = 4) -> str:
         """Propose k candidate tool calls for the next step, each with its rehearsed (predicted) response.
 
         The acting model proposes k candidates (the greedy one first, then sampled alternatives;
@@ -59,12 +59,17 @@ class WorldModelTools:
             k: how many candidates, 1 to 8.
 
         Returns:
-            {"candidates": [{"kind" ("call", "answer" or "parse_error"), "action_text", "call", "score", "chosen", "rehearsal"}]}.
+            A JSON object: {"candidates": [{"kind" ("call", "answer" or "parse_error"), "action_text", "call", "score", "chosen", "rehearsal"}]}.
         """
         try:
-            return {"candidates": [as_dict(c) for c in self._world().propose(tools, history, k)]}
+            return _json({"candidates": [as_dict(c) for c in self._world().propose(tools, history, k)]})
         except WorldModelInputError as exc:
             raise InputError(str(exc)) from None
+
+
+def _json(value: object) -> str:
+    """JSON text: what an MCP client reads from the tool's text content (Gradio sends `str(output)`)."""
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 __all__ = ["WorldModelTools"]
