@@ -127,7 +127,7 @@ class TaskCatalog:
         with self._lock:
             if self._tasks is None:
                 self._tasks = {}
-                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock"):
+                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock") + envs.list_tasks(suite="tau2"):
                     task = envs.load_task(task_id)
                     first = next((m["content"] for turn in task.turns for m in turn), "")
                     self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
@@ -157,6 +157,9 @@ class TaskCatalog:
 
 class UnjudgedJudge:
     """The judge of a typed instruction: there is no ground truth, so turns are recorded, not judged."""
+
+    judges_whole_episode = True
+    """Any number of user turns may follow (the person speaks as the user); none is judged."""
 
     def __init__(self, instruction: str) -> None:
         self.instruction = instruction
@@ -457,6 +460,15 @@ class RunSession:
         if self.stop_requested.is_set():
             self.notices.append("Stopped after the current step; Step or Run continue this episode.")
         self.stop_requested.clear()
+
+    def add_user_message(self, services: Services, request: RunRequest, text: str) -> int:
+        """The person speaks as the user: `text` becomes the next user turn of this session's episode
+        (starting one for `request` when there is none); returns the turn's index. Step then runs it."""
+        self.ensure_runner(services, request)
+        try:
+            return self.runner.add_user_turn(text)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def request_stop(self, services: Services) -> str:
         """Ends a running loop after its current step; with nothing running, ends the episode."""

@@ -8,6 +8,7 @@ metrics for every branch that has both a prediction and an actual response.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -60,6 +61,8 @@ class EpisodeRunner:
         self._state_before: dict[str, Any] = {}
         self.resume_mismatches: list[int] = []
         """Steps whose response differed when `resume` executed them again."""
+        self.typed_turns: dict[int, str] = {}
+        """User turns a person typed (`add_user_turn`), by turn index."""
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
@@ -75,6 +78,17 @@ class EpisodeRunner:
                      on_step=on_step, env=env, judge=judge, episode_id=episode.id)
         runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
         runner.resume_mismatches = []
+        typed = {t.turn: t.details["typed_user_message"] for t in episode.turn_results
+                 if t.details.get("typed_user_message")}
+        if typed:  # the turns a person typed come back from the verdicts that recorded them
+            turns = [list(t) for t in task.turns]
+            for turn, text in sorted(typed.items()):
+                message = [{"role": "user", "content": text}]
+                if turn < len(turns):
+                    turns[turn] = message
+                else:
+                    turns.append(message)
+            runner.task, runner.typed_turns = dataclasses.replace(task, turns=turns), typed
         judged = {t.turn for t in episode.turn_results}
         steps = episode.steps
         for i, step in enumerate(steps):
@@ -145,6 +159,38 @@ class EpisodeRunner:
             pass
         return self.episode
 
+    def add_user_turn(self, text: str) -> int:
+        """A person speaks as the user: `text` is the next user turn, instead of the scripted one when
+        one is left, else after the last (then a finished episode runs again). Returns the turn's index.
+
+        Only between turns (the agent has answered, or the turn's budget ended). After the scripted
+        turns only where the judge judges the whole episode (`judges_whole_episode`, e.g. tau2): a
+        per-turn judge (BFCL) has no ground truth for a turn the task does not have. `self.task` is
+        replaced by a copy with the new turns; the caller's Task is never changed.
+        """
+        text = (text or "").strip()
+        if not text:
+            raise ValueError("The user message is empty: type what the user says.")
+        if self.episode.status in ("stopped", "failed"):
+            raise ValueError(f"Episode {self.episode.id} is {self.episode.status}: start a new one to speak as the user.")
+        if self._turn_open:
+            raise ValueError("The agent has not answered this turn yet: step until it answers (or the turn's "
+                             "step budget ends), then speak as the user.")
+        turns = [list(t) for t in self.task.turns]
+        message = [{"role": "user", "content": text}]
+        if self.turn < len(turns):
+            turns[self.turn] = message
+        elif getattr(self.judge, "judges_whole_episode", False):
+            turns.append(message)
+        else:
+            raise ValueError(f"Task {self.task.id} has {len(turns)} scripted turn(s), each judged against its own "
+                             "ground truth: a further user turn cannot be judged (type instead of a scripted turn).")
+        self.task = dataclasses.replace(self.task, turns=turns)
+        self.typed_turns[self.turn] = text
+        if self.episode.status == "finished":
+            self.episode.status, self.episode.finished_at, self.episode.success = "running", None, None
+        return self.turn
+
     def stop(self) -> None:
         if not self.done:
             self.episode.status = "stopped"
@@ -160,14 +206,20 @@ class EpisodeRunner:
 
     def _close_turn(self) -> None:
         check = self.judge.check_turn(self.turn, self.env, self._turn_executed)
+        details = dict(check.details)
+        if self.turn in self.typed_turns:
+            details["typed_user_message"] = self.typed_turns[self.turn]
         self.episode.turn_results.append(TurnResult(
             turn=self.turn, success=check.success, state_ok=check.state_ok,
-            response_ok=check.response_ok, steps=self._turn_steps, details=check.details))
+            response_ok=check.response_ok, steps=self._turn_steps, details=details))
         self._turn_open = False
         self.turn += 1
         if self.turn >= len(self.task.turns):
             self.episode.status = "finished"
-            self.episode.success = all(t.success for t in self.episode.turn_results)
+            results = self.episode.turn_results
+            # A whole-episode judge's last verdict covers every turn before it.
+            whole = getattr(self.judge, "judges_whole_episode", False)
+            self.episode.success = results[-1].success if whole else all(t.success for t in results)
             self.episode.finished_at = utcnow()
 
     def _count(self, step: Step) -> None:
