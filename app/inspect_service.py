@@ -23,6 +23,7 @@ from app.config import DEFAULT_MODEL
 from app.envs.base import Task, TurnCheck
 from app.envs.bfcl_tasks import CLASS_SOURCES
 from app.engine import selection
+from app.engine.history import with_typed_turns
 from app.formats import branch_key, parse_action
 from app.records import LABELS, MODES, Annotation, Episode, RunSettings, Step
 from app.store import Recorder, Store, StoreError
@@ -182,16 +183,18 @@ def instruction_task(text: str, env_class: str) -> Task:
 
 
 def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
-    """User turns of a stored episode's task (typed instructions keep theirs in the turn results)."""
+    """User turns of a stored episode's task; the ones a person typed, and typed instructions, come
+    from the turn results that recorded them."""
     if task_id.startswith(INSTRUCTION_PREFIX):
         for t in episode.turn_results if episode else []:
             if t.details.get("instruction"):
                 return [[{"role": "user", "content": t.details["instruction"]}]]
         return []
     try:
-        return envs.load_task(task_id).turns
+        turns = envs.load_task(task_id).turns
     except ValueError:
         return []
+    return with_typed_turns(turns, episode.turn_results if episode else [])[0]
 
 
 @dataclass(frozen=True)

@@ -266,3 +266,61 @@ def test_a_short_parallel_episode_with_the_embedded_model_records_its_branches(t
             if b.kind == "call" and not b.chosen:
                 assert b.actual_source == "shadow"  # forkable: every alternative call ran on a fork
     assert episode.turn_results[0].details["reward_basis"] == ["COMMUNICATE", "DB"]
+
+
+def test_the_run_tab_sends_a_typed_user_message(tmp_path) -> None:
+    """Through gradio_client: the typed message opens the episode in place of the scripted one."""
+    from gradio_client import Client
+
+    from app.ui import build_demo
+    from app.ui import constants as C
+
+    demo = build_demo(db_path=str(tmp_path / "ui.db"), policy_loader=lambda m, a: ScriptedPolicy([["Hello!"]] * 9))
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    try:
+        client = Client(url, verbose=False)
+        d = C.UI_DEFAULTS
+        form = dict(source=C.SOURCE_TASK, task=CANCEL_TASK, instruction="", instruction_env="GorillaFileSystem",
+                    model="scripted", adapter=C.NO_ADAPTER, mode="none", branches=1, selector=d["selector"],
+                    temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
+                    rehearsal_context=d["rehearsal_context"], tool_required=False, constrain=d["constrain"],
+                    max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
+        typed = "Please cancel my order, I ordered it by mistake."
+        message, _, chat, *_, text = client.predict(typed, **form, api_name="/say_as_user")
+        assert "User turn 1 added" in message and text == ""
+        users = [json.dumps(m["content"]) for m in chat if m["role"] == "user"]
+        assert len(users) == 1 and typed in users[0]
+        message, *_ = client.predict("   ", **form, api_name="/say_as_user")
+        assert "The user message is empty" in message
+        _, status, chat, *_ = client.predict(**form, api_name="/step")
+        assert "Hello!" in json.dumps(chat) and "finished" in status.lower()
+    finally:
+        demo.close()
+
+
+def test_typed_turns_are_stored_shown_in_traces_and_restored_on_continue(tmp_path) -> None:
+    from app.inspect_service import task_turns
+
+    store = Store(str(tmp_path / "t.db"))
+    task = envs.load_task(CANCEL_TASK)
+    policy = ScriptedPolicy([[call("cancel_pending_order", order_id="#W8835847", reason="ordered by mistake")],
+                             ["Cancelled."], ["Noted."]])
+    runner = EpisodeRunner(task, policy, RunSettings(mode="none"), on_step=Recorder(store))
+    list(runner.run())
+    runner.add_user_turn("Thanks, that is all.")
+    list(runner.run())
+    runner.add_user_turn("One more question.")
+    runner.stop()  # before the agent answered it
+    Recorder(store).flush(runner.episode)
+    stored = store.get_episode(runner.episode.id)
+    assert stored.status == "stopped" and stored.success is None  # reopened by the typed turn
+    turns = task_turns(CANCEL_TASK, stored)
+    assert len(turns) == 2 and turns[1] == [{"role": "user", "content": "Thanks, that is all."}]
+    assert turns[0] == task.turns[0]
+
+    resumed = EpisodeRunner.resume(stored, envs.load_task(CANCEL_TASK), ScriptedPolicy([]))
+    assert resumed.task.turns == turns and resumed.resume_mismatches == []
+    assert [h.content for h in resumed.history if h.role == "user"] == [task.turns[0][0]["content"],
+                                                                       "Thanks, that is all."]
+    assert resumed.step() is None and resumed.episode.status == "finished"  # the unanswered typed turn is gone
+    assert resumed.add_user_turn("One more question.") == 2 and not resumed.done

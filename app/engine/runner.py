@@ -18,7 +18,7 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import selection
 from app.envs.base import Environment, Task, Tool
-from app.engine.history import committed_messages, turn_messages
+from app.engine.history import TYPED_USER_MESSAGE, committed_messages, turn_messages, with_typed_turns
 from app.formats import (ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key,
                          canonical_json, parse_action, parse_result, rehearse_prompt, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
@@ -78,16 +78,8 @@ class EpisodeRunner:
                      on_step=on_step, env=env, judge=judge, episode_id=episode.id)
         runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
         runner.resume_mismatches = []
-        typed = {t.turn: t.details["typed_user_message"] for t in episode.turn_results
-                 if t.details.get("typed_user_message")}
+        turns, typed = with_typed_turns(task.turns, episode.turn_results)
         if typed:  # the turns a person typed come back from the verdicts that recorded them
-            turns = [list(t) for t in task.turns]
-            for turn, text in sorted(typed.items()):
-                message = [{"role": "user", "content": text}]
-                if turn < len(turns):
-                    turns[turn] = message
-                else:
-                    turns.append(message)
             runner.task, runner.typed_turns = dataclasses.replace(task, turns=turns), typed
         judged = {t.turn for t in episode.turn_results}
         steps = episode.steps
@@ -125,6 +117,11 @@ class EpisodeRunner:
     def step(self) -> Step | None:
         """Take one agent decision (opening the next user turn if needed)."""
         if self.done:
+            return None
+        if not self._turn_open and self.turn >= len(self.task.turns):
+            # Nothing left to answer: a continued episode whose typed turn was never answered (only
+            # judged turns keep their typed message). `add_user_turn` opens a new one.
+            self._finish()
             return None
         if not self._turn_open:
             self._open_turn()
@@ -208,19 +205,22 @@ class EpisodeRunner:
         check = self.judge.check_turn(self.turn, self.env, self._turn_executed)
         details = dict(check.details)
         if self.turn in self.typed_turns:
-            details["typed_user_message"] = self.typed_turns[self.turn]
+            details[TYPED_USER_MESSAGE] = self.typed_turns[self.turn]
         self.episode.turn_results.append(TurnResult(
             turn=self.turn, success=check.success, state_ok=check.state_ok,
             response_ok=check.response_ok, steps=self._turn_steps, details=details))
         self._turn_open = False
         self.turn += 1
         if self.turn >= len(self.task.turns):
-            self.episode.status = "finished"
-            results = self.episode.turn_results
-            # A whole-episode judge's last verdict covers every turn before it.
-            whole = getattr(self.judge, "judges_whole_episode", False)
-            self.episode.success = results[-1].success if whole else all(t.success for t in results)
-            self.episode.finished_at = utcnow()
+            self._finish()
+
+    def _finish(self) -> None:
+        self.episode.status = "finished"
+        results = self.episode.turn_results
+        # A whole-episode judge's last verdict covers every turn before it.
+        whole = getattr(self.judge, "judges_whole_episode", False)
+        self.episode.success = (results[-1].success if whole else all(t.success for t in results)) if results else None
+        self.episode.finished_at = utcnow()
 
     def _count(self, step: Step) -> None:
         self.episode.external_calls += step.external_calls
