@@ -142,6 +142,10 @@ def test_telecom_fork_copies_both_dbs() -> None:
     ("send_certificate", {"user_id": "ethan_martin_2396", "amount": "lots"}, "amount: 'lots' is not of type 'integer'"),
     ("get_user_details", {"user_id": "nobody_0000"}, "User nobody_0000 not found"),  # the tool raises
     ("cancel_reservation", {"reservation_id": "ZZZZZZ"}, "Reservation ZZZZZZ not found"),
+    ("calculate", {"expression": "1/0"}, "division by zero"),
+    ("calculate", {"expression": "import os"}, "Invalid characters in expression"),
+    ("calculate", {"expression": "9**9**9**9"}, "no **"),  # tau2 would eval it for ever
+    ("calculate", {"expression": "1+" * 101 + "1"}, "longer than 200 characters"),
 ])
 def test_bad_calls_come_back_as_error_results(name: str, args, message: str) -> None:
     env = envs.make_env(envs.load_task(CERTIFICATE_TASK))

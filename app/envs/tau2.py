@@ -5,8 +5,9 @@ Contract:
   loaded from the package's file), then brought to the task's initial state with tau2's
   `Environment.set_state` (initialization data and actions, as tau2's evaluator does).
 - `call(name, args)` never raises for bad input: an unknown tool, arguments that are not an
-  object or do not match the tool's schema (unknown names included) and a tool that raises come
-  back as `ToolResult({"error": ...}, error=True)`. A valid call goes through tau2's own
+  object or do not match the tool's schema (unknown names included), a `calculate` expression
+  with `**` or over 200 characters (tau2 `eval`s it) and a tool that raises come back as
+  `ToolResult({"error": ...}, error=True)`. A valid call goes through tau2's own
   `Environment.get_response` (its exception handling, its `sync_tools`, its JSON rendering); the
   output is that JSON parsed (a plain string when it is not JSON). Every call that reached tau2
   is kept, as tau2 messages, in `trajectory`: the judge hands it to tau2's evaluator.
@@ -122,6 +123,9 @@ class Tau2Environment:
         if problems:
             text = "; ".join(_describe(e) for e in problems)
             return ToolResult({"error": f"invalid arguments for {name}: {text}"}, error=True)
+        refusal = _refuse(name, args)
+        if refusal:
+            return ToolResult({"error": refusal}, error=True)
         if self._may_write(tool):
             self._own_backend()
         message = tau2_module("tau2.data_model.message")
@@ -194,6 +198,23 @@ def _changes(initial: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[dict[s
         elif value != before:
             changes[key] = value
     return changes, removed
+
+
+MAX_EXPRESSION = 200
+"""Characters allowed in a `calculate` expression."""
+
+
+def _refuse(name: str, args: dict[str, Any]) -> str | None:
+    """Calls refused before they reach tau2. tau2's `calculate` runs `eval` on any text of digits,
+    `+-*/()`, dots and spaces, so `9**9**9**9` would compute for ever in this process (shadow
+    execution included): `**` is not among its documented operators, and the length is capped."""
+    if name == "calculate":
+        expression = str(args.get("expression", ""))
+        if "**" in expression:
+            return "invalid expression: the operators are +, -, *, / and parentheses (no **)"
+        if len(expression) > MAX_EXPRESSION:
+            return f"invalid expression: longer than {MAX_EXPRESSION} characters"
+    return None
 
 
 def _parse_content(content: str | None) -> Any:
