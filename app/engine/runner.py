@@ -219,7 +219,10 @@ class EpisodeRunner:
         results = self.episode.turn_results
         # A whole-episode judge's last verdict covers every turn before it.
         whole = getattr(self.judge, "judges_whole_episode", False)
-        self.episode.success = (results[-1].success if whole else all(t.success for t in results)) if results else None
+        if whole:
+            self.episode.success = results[-1].success if results else None
+        else:
+            self.episode.success = all(t.success for t in results)
         self.episode.finished_at = utcnow()
 
     def _count(self, step: Step) -> None:
