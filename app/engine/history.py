@@ -6,9 +6,14 @@ model trains on exactly the history it acts on.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from app.envs import Task
 from app.formats import HistoryItem, call_text
-from app.records import Branch
+from app.records import Branch, TurnResult
+
+TYPED_USER_MESSAGE = "typed_user_message"
+"""The key of a verdict's details that keeps a user turn a person typed (`EpisodeRunner.add_user_turn`)."""
 
 
 def turn_messages(task: Task, turn: int) -> list[HistoryItem]:
@@ -18,6 +23,21 @@ def turn_messages(task: Task, turn: int) -> list[HistoryItem]:
     if not messages and task.extra.get("additional_function_prompt"):
         messages = [{"role": "user", "content": task.extra["additional_function_prompt"]}]
     return [HistoryItem(role="user", content=m["content"], turn=turn) for m in messages]
+
+
+def with_typed_turns(turns: list[list[dict[str, str]]],
+                     results: Iterable[TurnResult]) -> tuple[list[list[dict[str, str]]], dict[int, str]]:
+    """A recorded episode's user turns: the task's scripted ones, with the turns a person typed (kept in
+    the verdicts) in place of a scripted turn or after the last. Also returns the typed texts by turn."""
+    typed = {r.turn: r.details[TYPED_USER_MESSAGE] for r in results if r.details.get(TYPED_USER_MESSAGE)}
+    out = [list(t) for t in turns]
+    for turn, text in sorted(typed.items()):
+        message = [{"role": "user", "content": text}]
+        if turn < len(out):
+            out[turn] = message
+        else:
+            out.append(message)
+    return out, typed
 
 
 def committed_messages(branch: Branch, turn: int) -> list[HistoryItem]:

@@ -13,6 +13,7 @@ A step's scratch state lives in its `StepContext`, never on the runner.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,7 +23,7 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import strategies
 from app.engine.context import StepContext
-from app.engine.history import committed_messages, turn_messages
+from app.engine.history import TYPED_USER_MESSAGE, committed_messages, turn_messages, with_typed_turns
 from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
@@ -69,6 +70,8 @@ class EpisodeRunner:
         """(name, arguments, output) of the calls committed in the open turn, for the judge."""
         self.resume_mismatches: list[int] = []
         """Steps whose response differed when `resume` executed them again."""
+        self.typed_turns: dict[int, str] = {}
+        """User turns a person typed (`add_user_turn`), by turn index."""
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
@@ -86,6 +89,9 @@ class EpisodeRunner:
                      rehearser=rehearser)
         runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
         runner.resume_mismatches = []
+        turns, typed = with_typed_turns(task.turns, episode.turn_results)
+        if typed:  # the turns a person typed come back from the verdicts that recorded them
+            runner.task, runner.typed_turns = dataclasses.replace(task, turns=turns), typed
         judged = {t.turn for t in episode.turn_results}
         steps = episode.steps
         for i, step in enumerate(steps):
@@ -123,6 +129,11 @@ class EpisodeRunner:
         """Take one agent decision (opening the next user turn if needed)."""
         if self.done:
             return None
+        if not self._turn_open and self.turn >= len(self.task.turns):
+            # Nothing left to answer: a continued episode whose typed turn was never answered (only
+            # judged turns keep their typed message). `add_user_turn` opens a new one.
+            self._finish()
+            return None
         if not self._turn_open:
             self._open_turn()
         started = time.perf_counter()
@@ -156,6 +167,38 @@ class EpisodeRunner:
             pass
         return self.episode
 
+    def add_user_turn(self, text: str) -> int:
+        """A person speaks as the user: `text` is the next user turn, instead of the scripted one when
+        one is left, else after the last (then a finished episode runs again). Returns the turn's index.
+
+        Only between turns (the agent has answered, or the turn's budget ended). After the scripted
+        turns only where the judge judges the whole episode (`judges_whole_episode`, e.g. tau2): a
+        per-turn judge (BFCL) has no ground truth for a turn the task does not have. `self.task` is
+        replaced by a copy with the new turns; the caller's Task is never changed.
+        """
+        text = (text or "").strip()
+        if not text:
+            raise ValueError("The user message is empty: type what the user says.")
+        if self.episode.status in ("stopped", "failed"):
+            raise ValueError(f"Episode {self.episode.id} is {self.episode.status}: start a new one to speak as the user.")
+        if self._turn_open:
+            raise ValueError("The agent has not answered this turn yet: step until it answers (or the turn's "
+                             "step budget ends), then speak as the user.")
+        turns = [list(t) for t in self.task.turns]
+        message = [{"role": "user", "content": text}]
+        if self.turn < len(turns):
+            turns[self.turn] = message
+        elif getattr(self.judge, "judges_whole_episode", False):
+            turns.append(message)
+        else:
+            raise ValueError(f"Task {self.task.id} has {len(turns)} scripted turn(s), each judged against its own "
+                             "ground truth: a further user turn cannot be judged (type instead of a scripted turn).")
+        self.task = dataclasses.replace(self.task, turns=turns)
+        self.typed_turns[self.turn] = text
+        if self.episode.status == "finished":
+            self.episode.status, self.episode.finished_at, self.episode.success = "running", None, None
+        return self.turn
+
     def stop(self) -> None:
         if not self.done:
             self.episode.status = "stopped"
@@ -171,15 +214,27 @@ class EpisodeRunner:
 
     def _close_turn(self) -> None:
         check = self.judge.check_turn(self.turn, self.env, self.turn_executed)
+        details = dict(check.details)
+        if self.turn in self.typed_turns:
+            details[TYPED_USER_MESSAGE] = self.typed_turns[self.turn]
         self.episode.turn_results.append(TurnResult(
             turn=self.turn, success=check.success, state_ok=check.state_ok,
-            response_ok=check.response_ok, steps=self._turn_steps, details=check.details))
+            response_ok=check.response_ok, steps=self._turn_steps, details=details))
         self._turn_open = False
         self.turn += 1
         if self.turn >= len(self.task.turns):
-            self.episode.status = "finished"
-            self.episode.success = all(t.success for t in self.episode.turn_results)
-            self.episode.finished_at = utcnow()
+            self._finish()
+
+    def _finish(self) -> None:
+        self.episode.status = "finished"
+        results = self.episode.turn_results
+        # A whole-episode judge's last verdict covers every turn before it.
+        whole = getattr(self.judge, "judges_whole_episode", False)
+        if whole:
+            self.episode.success = results[-1].success if results else None
+        else:
+            self.episode.success = all(t.success for t in results)
+        self.episode.finished_at = utcnow()
 
     def _count(self, step: Step) -> None:
         self.episode.external_calls += step.external_calls

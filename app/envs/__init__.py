@@ -1,7 +1,7 @@
-"""Environments: the protocol, the BFCL multi-turn adapter, a mock, and a registry by id prefix.
+"""Environments: the protocol, the BFCL multi-turn adapter, tau2-bench, a mock, and a registry by id prefix.
 
 `load_task("bfcl:multi_turn_base_12")`, `make_env(task)` and `make_judge(task)` dispatch on
-the part of the id before the colon (`bfcl:`, `mock:`).
+the part of the id before the colon (`bfcl:`, `tau2:`, `mock:`).
 """
 from __future__ import annotations
 
@@ -13,8 +13,12 @@ from app.envs.bfcl_tasks import CATEGORIES, READ_ONLY_TOOLS, UnknownTaskError, p
 from app.envs.bfcl_tasks import list_tasks as list_bfcl_tasks
 from app.envs.bfcl_tasks import load_task as load_bfcl_task
 from app.envs.mock import MOCK_TASK_ID, MockEnvironment, MockJudge, make_mock_env, mock_task
+# tau2-bench (airline, retail, telecom): ids like `tau2:airline/0`.
+from app.envs import tau2_tasks
+from app.envs.tau2 import Tau2Environment
+from app.envs.tau2_check import Tau2Judge
 
-SUITES: tuple[str, ...] = ("bfcl", "mock")
+SUITES: tuple[str, ...] = ("bfcl", "mock", "tau2")
 
 
 def _suite(task_id: str) -> str:
@@ -31,27 +35,36 @@ def load_task(task_id: str) -> Task:
     """The task for an id such as `bfcl:multi_turn_base_12` or `mock:kv`."""
     if _suite(task_id) == "bfcl":
         return load_bfcl_task(task_id)
+    if _suite(task_id) == "tau2":
+        return tau2_tasks.load_task(task_id)
     if task_id != MOCK_TASK_ID:
         raise UnknownTaskError(f"unknown mock task {task_id!r}; the only one is {MOCK_TASK_ID}")
     return mock_task()
 
 
 def list_tasks(category: str | None = None, split: str | None = None, *, suite: str = "bfcl") -> list[str]:
-    """Task ids of a suite (BFCL by default), optionally of one category and/or split."""
+    """Task ids of a suite (BFCL by default), optionally of one category and/or split
+    (tau2: the category is the domain)."""
     if suite == "bfcl":
         return list_bfcl_tasks(category, split)
+    if suite == "tau2":
+        return tau2_tasks.list_tasks(category, split)
     if suite == "mock":
         return [MOCK_TASK_ID] if category in (None, "mock") and split is None else []
     raise UnknownTaskError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
 
 
 def make_env(task: Task) -> Environment:
-    """A fresh environment for the task, at turn 0 (both kinds also have `set_turn(turn)`)."""
+    """A fresh environment for the task, at turn 0 (every kind also has `set_turn(turn)`)."""
+    if _suite(task.id) == "tau2":
+        return Tau2Environment.from_task(task)
     return make_bfcl_env(task) if _suite(task.id) == "bfcl" else make_mock_env(task)
 
 
-def make_judge(task: Task) -> ReplayJudge:
+def make_judge(task: Task) -> ReplayJudge | Tau2Judge:
     """A fresh per-episode judge for the task (`check_turn(turn_index, env, executed)`)."""
+    if _suite(task.id) == "tau2":
+        return Tau2Judge(task)
     return BFCLJudge(task) if _suite(task.id) == "bfcl" else MockJudge(task)
 
 
@@ -64,6 +77,8 @@ __all__ = [
     "MockEnvironment",
     "MockJudge",
     "READ_ONLY_TOOLS",
+    "Tau2Environment",
+    "Tau2Judge",
     "Task",
     "UnknownTaskError",
     "list_tasks",

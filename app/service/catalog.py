@@ -14,6 +14,7 @@ from typing import Any
 from app import envs
 from app.config import DEFAULT_MODEL, ROOT
 from app.envs.base import Task, TurnCheck
+from app.engine.history import with_typed_turns
 from app.envs.bfcl_tasks import CLASS_SOURCES
 from app.records import Episode, RunSettings
 from app.service.forms import InputError
@@ -46,7 +47,7 @@ class TaskCatalog:
         with self._lock:
             if self._tasks is None:
                 self._tasks = {}
-                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock"):
+                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock") + envs.list_tasks(suite="tau2"):
                     task = envs.load_task(task_id)
                     first = next((m["content"] for turn in task.turns for m in turn), "")
                     self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
@@ -77,6 +78,9 @@ class TaskCatalog:
 class UnjudgedJudge:
     """The judge of a typed instruction: there is no ground truth, so turns are recorded, not judged."""
 
+    judges_whole_episode = True
+    """Any number of user turns may follow (the person speaks as the user); none is judged."""
+
     def __init__(self, instruction: str) -> None:
         self.instruction = instruction
 
@@ -98,16 +102,18 @@ def instruction_task(text: str, env_class: str) -> Task:
 
 
 def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
-    """User turns of a stored episode's task (typed instructions keep theirs in the turn results)."""
+    """User turns of a stored episode's task; the ones a person typed, and typed instructions, come
+    from the turn results that recorded them."""
     if task_id.startswith(INSTRUCTION_PREFIX):
         for t in episode.turn_results if episode else []:
             if t.details.get("instruction"):
                 return [[{"role": "user", "content": t.details["instruction"]}]]
         return []
     try:
-        return envs.load_task(task_id).turns
+        turns = envs.load_task(task_id).turns
     except ValueError:
         return []
+    return with_typed_turns(turns, episode.turn_results if episode else [])[0]
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,15 @@ class RunSession:
             self.notices.append("Stopped after the current step; Step or Run continue this episode.")
         self.stop_requested.clear()
 
+    def add_user_message(self, services: Services, request: RunRequest, text: str) -> int:
+        """The person speaks as the user: `text` becomes the next user turn of this session's episode
+        (starting one for `request` when there is none); returns the turn's index. Step then runs it."""
+        self.ensure_runner(services, request)
+        try:
+            return self.runner.add_user_turn(text)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
     def request_stop(self, services: Services) -> str:
         """Ends a running loop after its current step; with nothing running, ends the episode."""
         if self.is_busy:

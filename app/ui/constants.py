@@ -56,6 +56,8 @@ FT_POLL_S = 0.5
 
 # Buttons (their visible names are what the browser test clicks).
 STEP, RUN_TURN, RUN_ALL, STOP, RESET = "Step", "Run turn", "Run to end", "Stop", "Reset"
+SAY_AS_USER = "Send as the user"
+"""Types the next user message (instead of a scripted turn, or after the last one)."""
 IMPORT, EXPORT_LISTED = "Import", "Export the listed episodes"
 MAX_IMPORT_MB = MAX_IMPORT_BYTES // 2**20
 """Largest episodes file the Traces tab imports (also Gradio's upload limit in `serve` and app.py)."""

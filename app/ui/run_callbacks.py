@@ -123,6 +123,18 @@ class RunCallbacks:
             gr.Warning(str(exc))
             yield self.view(session, message_html(str(exc), "error"))
 
+    def say(self, session: RunSession, text: str, **form: Any) -> tuple:
+        """The person types the next user message; Step then lets the agent answer it."""
+        try:
+            request = request_from_form(form)
+            with session.busy():
+                turn = session.add_user_message(self.services, request, text)
+        except InputError as exc:
+            gr.Warning(str(exc))
+            return (*self.view(session, message_html(str(exc), "error")), gr.skip())
+        note = f"User turn {turn + 1} added: press Step or Run turn to let the agent answer."
+        return (*self.view(session, message_html(note)), "")
+
     def stop(self, session: RunSession) -> tuple[str, str]:
         text = session.request_stop(self.services)
         return message_html(text), render.episode_status(session.episode)

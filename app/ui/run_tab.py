@@ -72,6 +72,11 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 with gr.Column(scale=2, min_width=320):
                     chat = gr.Chatbot(cb.preview_chat({"source": C.SOURCE_TASK, "task": C.DEFAULT_TASK}),
                                       label="Conversation", height=560, buttons=["copy_all"])
+                    with gr.Row():
+                        user_text = gr.Textbox(label="Speak as the user", lines=1, scale=4,
+                                               placeholder="The next user message (instead of a scripted turn, "
+                                                           "or after the last one)")
+                        say_btn = gr.Button(C.SAY_AS_USER, scale=1)
                 with gr.Column(scale=3, min_width=420):
                     timeline = gr.Radio([], label="Timeline: click a step to reopen it")
                     cards = gr.HTML(render.branch_cards(None), elem_id=C.ID_CARDS, css_template=VIEW_CSS,
@@ -94,6 +99,10 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     stop_btn.click(cb.stop, [session], [message, status], api_name="stop", concurrency_limit=None,
                    concurrency_id="control")
     reset_btn.click(cb.reset, [session], outputs, inputs_kwargs=form, api_name="reset")
+    # The person speaks as the user (it may start the episode, so it may load the model).
+    say = {"inputs": [session, user_text], "outputs": outputs + [user_text], "inputs_kwargs": form, **model_events}
+    say_btn.click(cb.say, api_name="say_as_user", **say)
+    user_text.submit(cb.say, api_visibility="private", **say)
     timeline.input(cb.show_step, [session, timeline], [cards, state_view], api_name="show_step")
 
     source.change(cb.toggle_source, source, [task_group, instruction_group], api_visibility="private")
