@@ -64,7 +64,7 @@ def test_bad_listing_options_say_what_is_wrong() -> None:
 
 
 def test_cli_lists_tau2_tasks(capsys) -> None:
-    from app.cli import main
+    from app.cli.main import main
 
     assert main(["tasks", "--suite", "tau2", "--category", "airline"]) == 0
     assert capsys.readouterr().out.split() == envs.list_tasks("airline", suite="tau2")
@@ -234,7 +234,7 @@ def test_a_typed_message_may_replace_the_scripted_one_but_not_extend_a_per_turn_
 
 
 def test_the_session_adds_a_user_message_and_starts_the_episode_when_needed(tmp_path) -> None:
-    from app.inspect_service import InputError, RunRequest, RunSession, Services
+    from app.service import InputError, RunRequest, RunSession, Services
 
     services = Services(str(tmp_path / "t.db"), policy_loader=lambda model, adapter: ScriptedPolicy([["Hello!"]]))
     session = RunSession()
@@ -307,7 +307,7 @@ def test_the_run_tab_sends_a_typed_user_message(tmp_path) -> None:
 
 
 def test_typed_turns_are_stored_shown_in_traces_and_restored_on_continue(tmp_path) -> None:
-    from app.inspect_service import task_turns
+    from app.service import task_turns
 
     store = Store(str(tmp_path / "t.db"))
     task = envs.load_task(CANCEL_TASK)
