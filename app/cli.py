@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tasks", help="list task ids", description="List task ids.")
     p.add_argument("--category", default=None, help="e.g. multi_turn_base, multi_turn_miss_param")
     p.add_argument("--split", choices=("train", "heldout"), default=None, help="the multi_turn_base split")
+    p.add_argument("--suite", default="bfcl", help="bfcl (default), mcp (--category: an MCP server, e.g. git), mock")
     p.set_defaults(func=cmd_tasks)
 
     p = sub.add_parser("run", help="run one episode step by step",
@@ -94,7 +95,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from app import envs
 
     try:
-        ids = envs.list_tasks(args.category, args.split)
+        ids = envs.list_tasks(args.category, args.split, suite=args.suite)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print("\n".join(ids))
