@@ -136,6 +136,9 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 def _run(coro: Any, timeout: float) -> Any:
     """Run `coro` on the MCP loop and wait for it, at most `timeout` seconds (then cancel it)."""
+    if threading.current_thread() is _loop_thread:
+        coro.close()
+        raise RuntimeError("a synchronous MCP call from the MCP event-loop thread would wait on itself")
     future = asyncio.run_coroutine_threadsafe(coro, _event_loop())
     try:
         return future.result(timeout)
@@ -182,9 +185,9 @@ class _Session:
             self.stop()
             raise
         except BaseException as exc:  # any failure to come up is the server's, told in one line
-            self.stop()
-            raise MCPStartError(f"MCP server {self.config.label!r} did not start: {_describe(exc)}"
-                                f"{self.stderr_tail()}") from None
+            message = f"MCP server {self.config.label!r} did not start: {_describe(exc)}"
+            self.stop()  # first: the process has exited and its stderr is complete
+            raise MCPStartError(message + self.stderr_tail()) from None
 
     async def _start(self, timeout: float) -> list[Any]:
         ready: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
@@ -193,6 +196,7 @@ class _Session:
         try:
             return await asyncio.wait_for(asyncio.shield(ready), timeout)
         except asyncio.TimeoutError:
+            ready.cancel()  # nobody waits for it any more
             raise MCPStartError(f"MCP server {self.config.label!r} did not answer within {timeout:g} s"
                                 f"{self.stderr_tail()}") from None
 
@@ -238,11 +242,16 @@ class _Session:
         """End the session: the SDK closes stdin, then terminates and kills the process tree (bounded)."""
         _stop_session(self._stop, self._task, timeout, connected=self.client is not None)
         self._stop = self._task = None
+
+    def discard(self) -> None:
+        """Stop, and drop the stderr log."""
+        self.stop()
         if self.errlog is not None:
             self.errlog.close()
             self.errlog = None
 
     def stderr_tail(self) -> str:
+        """The end of the server's stderr, as `; server stderr: ...` (empty when there is none)."""
         if self.errlog is None or self.errlog.closed:
             return ""
         try:
@@ -439,7 +448,7 @@ class MCPEnvironment:
 
 
 def _close(session: _Session, cleanup_dir: Path | None) -> None:
-    session.stop()
+    session.discard()
     if cleanup_dir is not None:
         shutil.rmtree(cleanup_dir, ignore_errors=True)
 
