@@ -126,3 +126,26 @@ def test_free_instruction_runs_on_the_base_setup_unjudged():
     assert not check.success and check.details["judged"] is False
     with pytest.raises(ValueError, match="the instruction is empty"):
         mcp_tasks.free_task("git", "  ")
+
+
+def test_eval_on_an_mcp_task_with_the_real_best_of_k_row(tmp_path):
+    """The eval's rows on a real MCP task (scripted policy): parallel commits its best-judged call and
+    shadows the other on a fork; best-of-K runs both for real on forks and commits the one whose
+    state passes the check."""
+    from app.evaluation import EvalConfig, run_eval
+    from app.store import Store
+    from scripted import ScriptedPolicy
+    from test_envs_mcp import call
+
+    need_servers()
+    good = call("write_query", query="UPDATE users SET active = 0 WHERE name = 'Bob'")
+    bad = call("write_query", query="UPDATE users SET active = 0")
+    # The judge prefers the wrong call, so only the real outcome tells them apart.
+    policy = ScriptedPolicy([[bad, good]] * 4, judge=lambda text: 0.9 if "WHERE" not in text else 0.2)
+    cfg = EvalConfig(task_ids=["mcp:sqlite/deactivate-bob"], modes=["parallel"], branches=2, state_probe=0,
+                     max_steps_per_turn=1, selector="judge")
+    result = run_eval(cfg, Store(tmp_path / "eval.db"), policy)
+    rows = {r["row"]: r for r in result["rows"]}
+    assert rows["parallel"]["task_success"] == 0.0 and rows["parallel"]["shadow_calls_per_task"] == 1.0
+    assert rows["best-of-K"]["task_success"] == 1.0 and rows["best-of-K"]["external_calls_per_task"] == 2.0
+    assert rows["parallel"]["call_accuracy"] == 0.0 and rows["best-of-K"]["call_accuracy"] == 1.0
