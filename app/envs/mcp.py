@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import shutil
@@ -374,9 +375,9 @@ class MCPEnvironment:
             return _error("this MCP environment is closed")
         try:
             raw = self._session.call(name, self._translate(args, inbound=True))
-        except TimeoutError:
-            return _error(f"{name} did not answer within {self.config.call_timeout_s:g} s (time-out)")
-        except Exception as exc:  # noqa: BLE001 - the server's failure (crash, protocol error, bad result)
+        except _server_errors() as exc:  # the server's failure: crash, protocol error, bad result, time-out
+            if _is_timeout(exc):
+                return _error(f"{name} did not answer within {self.config.call_timeout_s:g} s (time-out)")
             return _error(f"{name} failed: {_server_failure(exc, self._session)}")
         try:
             output, is_error = _output(raw)
@@ -451,6 +452,26 @@ def _close(session: _Session, cleanup_dir: Path | None) -> None:
     session.discard()
     if cleanup_dir is not None:
         shutil.rmtree(cleanup_dir, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _server_errors() -> tuple[type[BaseException], ...]:
+    """What the SDK raises for a server's failures (our own bugs are not among them and still raise)."""
+    import anyio
+    import pydantic
+    from mcp.shared.exceptions import MCPError
+
+    # RuntimeError: the SDK's "Invalid structured content returned by tool ..." and kin.
+    return (MCPError, RuntimeError, pydantic.ValidationError, TimeoutError, ConnectionError, OSError,
+            anyio.BrokenResourceError, anyio.ClosedResourceError)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Our own wait ran out, or the SDK's per-request one did (MCPError REQUEST_TIMEOUT), whichever came first."""
+    from mcp.shared.exceptions import MCPError
+    from mcp.types import REQUEST_TIMEOUT
+
+    return isinstance(exc, TimeoutError) or (isinstance(exc, MCPError) and exc.code == REQUEST_TIMEOUT)
 
 
 def _error(message: str) -> ToolResult:

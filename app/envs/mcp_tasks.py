@@ -16,7 +16,6 @@ instruction)` is a typed instruction on a server's base setup (never judged).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import sqlite3
