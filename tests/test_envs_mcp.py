@@ -266,3 +266,16 @@ def test_http_server_is_not_forkable_and_shadows_read_only_calls_only(http_serve
     # The shadow read ran before the commit, on the same backend: the add of 5 never ran.
     assert env.call("get_count", {}).output == {"text": '{\n  "count": 2\n}'}
     env.close()
+
+
+def test_a_process_that_exits_without_closing_ends_its_servers(tmp_path):
+    script = ("import sys; from app.envs.mcp import MCPEnvironment; import psutil\n"
+              f"env = MCPEnvironment.start({FAULTY!r}, state_dir={str(tmp_path / 'state')!r}, owns_state=True)\n"
+              "print(*[p.pid for p in psutil.Process().children()])\n")
+    (tmp_path / "state").mkdir()
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 1 and not psutil.pid_exists(pids[0])
+    assert not (tmp_path / "state").exists()  # owned: deleted at exit
