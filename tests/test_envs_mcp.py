@@ -108,6 +108,11 @@ def test_sqlite_fork_writes_on_a_copy_only(no_new_processes):
         count = lambda root: sqlite3.connect(root / "data.db").execute("SELECT count(*) FROM users").fetchone()[0]  # noqa: E731
         assert (count(fork.state_dir), count(env.state_dir)) == (0, 3)
         assert env.call("read_query", {"query": "SELECT count(*) AS n FROM users"}).output == {"text": "[{'n': 3}]"}
+        # This server answers failures as plain text; the task file's error_prefixes make them errors.
+        refused = env.call("read_query", {"query": "DELETE FROM users"})
+        assert refused.error and refused.output["error"].startswith("Error: Only SELECT queries are allowed")
+        broken = env.call("write_query", {"query": "UPDATE nowhere SET x = 1"})
+        assert broken.error and broken.output == {"error": "Database error: no such table: nowhere"}
         fork.close()
 
 

@@ -12,8 +12,9 @@ Contract:
   (else the `{"text": ...}` shape below). `Tool.read_only` is `readOnlyHint` (a `destructiveHint`
   of true overrides it), or the config's `read_only_tools` for servers without annotations.
 - `call()` never raises for bad input or server trouble: an unknown tool, arguments that fail the
-  input schema, an error result, a time-out, a crashed server, or a malformed result all come back
-  as `ToolResult(error=True, output={"error": ...})`. A result is its `structuredContent` when the
+  input schema, an error result (`isError`, or a text result starting with one of the config's
+  `error_prefixes`), a time-out, a crashed server, or a malformed result all come back as
+  `ToolResult(error=True, output={"error": ...})`. A result is its `structuredContent` when the
   server gives one, else `{"text": <the text blocks joined>}` (other blocks are summarised, never
   inlined as base64).
 - `forkable` is True for a stdio server with a state folder: `fork()` copies the folder and starts a
@@ -122,7 +123,7 @@ class MCPEnvironment:
                 return _error(f"{name} did not answer within {self.config.call_timeout_s:g} s (time-out)")
             return _error(f"{name} failed: {server_failure(exc, self._session)}")
         try:
-            output, is_error = _output(raw)
+            output, is_error = _output(raw, self.config.error_prefixes)
         except (TypeError, ValueError, AttributeError) as exc:
             return _error(f"{name} returned a malformed result: {describe(exc)}")
         return ToolResult(self._translate(output, inbound=False), error=is_error)
@@ -210,7 +211,7 @@ def _tool(raw: Any, env_name: str, read_only_tools: list[str]) -> Tool:
                 read_only=read_only or raw.name in read_only_tools, env_class=env_name)
 
 
-def _output(raw: Any) -> tuple[Any, bool]:
+def _output(raw: Any, error_prefixes: list[str]) -> tuple[Any, bool]:
     """(JSON-able output, is_error) from a `CallToolResult`; ValueError when it is not one."""
     from mcp.types import CallToolResult, TextContent
 
@@ -218,11 +219,13 @@ def _output(raw: Any) -> tuple[Any, bool]:
         raise ValueError(f"expected a CallToolResult, got {type(raw).__name__}")
     texts = [b.text for b in raw.content if isinstance(b, TextContent)]
     others = [_summary(b) for b in raw.content if not isinstance(b, TextContent)]
-    if raw.is_error:
-        return {"error": "\n".join(texts) or "the tool reported an error"}, True
+    text = "\n".join(texts)
+    failed_as_text = bool(error_prefixes) and raw.structured_content is None and text.startswith(tuple(error_prefixes))
+    if raw.is_error or failed_as_text:
+        return {"error": text or "the tool reported an error"}, True
     if raw.structured_content is not None:
         return raw.structured_content, False
-    output: dict[str, Any] = {"text": "\n".join(texts)}
+    output: dict[str, Any] = {"text": text}
     if others:
         output["other_content"] = others
     return output, False

@@ -50,6 +50,9 @@ class MCPServerConfig(BaseModel):
     """The endpoint of a streamable HTTP server (instead of `command`)."""
     read_only_tools: list[str] = Field(default_factory=list)
     """Tools to treat as read-only although the server does not annotate them."""
+    error_prefixes: list[str] = Field(default_factory=list)
+    """A text result starting with one of these is an error, for servers that report failures as plain
+    text without `isError` (mcp-server-sqlite: `Error: ...`, `Database error: ...`)."""
     start_timeout_s: float = 20.0
     """Start-up, handshake and tool listing together (a cold `node` or Python start takes ~1 s)."""
     call_timeout_s: float = 30.0
