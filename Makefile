@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast bench train-agent eval browser-deps clean
+.PHONY: setup run test test-fast bench train-agent eval browser-deps mcp-deps clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -20,13 +20,36 @@ setup: $(STAMP)
 browser-deps:
 	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
+# The MCP servers the tests and the mcp: tasks run, in the gitignored .mcp/ (`{servers}` in task files):
+# the npm filesystem server (run with Debian's nodejs), and mcp-server-git and mcp-server-sqlite, each
+# in its own virtual environment: a server is its own process, and their mcp versions differ from each
+# other's and from the app's (mcp-server-git needs mcp 2.x; the app pins 1.30 for Gradio's MCP server).
+# Reinstalled when this Makefile changes.
+MCP_DIR := .mcp
+MCP_STAMP := $(MCP_DIR)/.deps-done
+MCP_FS_NPM := @modelcontextprotocol/server-filesystem@2026.8.31
+MCP_GIT_PIP := mcp-server-git==2026.10.19 mcp==2.3.0
+MCP_SQLITE_PIP := mcp-server-sqlite==2025.4.25 mcp==1.30.0
+
+$(MCP_STAMP): Makefile
+	@(command -v node && command -v npm) >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
+	mkdir -p $(MCP_DIR)
+	npm install --silent --no-audit --no-fund --save-exact --prefix $(MCP_DIR) $(MCP_FS_NPM)
+	test -x $(MCP_DIR)/git/bin/python || $(PY) -m venv $(MCP_DIR)/git
+	$(MCP_DIR)/git/bin/python -m pip install -q $(MCP_GIT_PIP)
+	test -x $(MCP_DIR)/sqlite/bin/python || $(PY) -m venv $(MCP_DIR)/sqlite
+	$(MCP_DIR)/sqlite/bin/python -m pip install -q $(MCP_SQLITE_PIP)
+	touch $(MCP_STAMP)
+
+mcp-deps: $(MCP_STAMP)
+
 run: setup
 	$(PYTHON) -m app serve
 
-test: setup browser-deps
+test: setup browser-deps mcp-deps
 	$(PYTHON) -m pytest -q
 
-test-fast: setup
+test-fast: setup mcp-deps
 	$(PYTHON) -m pytest -q -m "not slow and not browser"
 
 bench: setup
@@ -43,4 +66,4 @@ eval: setup
 		--seed 0 --out runs/eval-heldout $(EVAL_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(MCP_DIR)

@@ -26,7 +26,8 @@ def register(sub: Any) -> None:
                     "engine, store every episode, and write results.json, results.md and figures.html "
                     "into --out. Rerunning the same command resumes: finished episodes are read back.")
     p.add_argument("--tasks", default="bfcl:multi_turn_base",
-                   help="a category (bfcl:multi_turn_base, multi_turn_miss_func, ...) or a comma list of task ids")
+                   help="a category (bfcl:multi_turn_base, multi_turn_miss_func, ...), an MCP server (mcp:git, "
+                        "mcp:sqlite, mcp:filesystem; mcp: all), or a comma list of these and task ids")
     p.add_argument("--split", choices=("train", "heldout"), default=None,
                    help="keep one split of multi_turn_base (index mod 4 == 3 is held out)")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N tasks")

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "for tau2 the domain: airline, retail, telecom")
     p.add_argument("--split", choices=("train", "heldout"), default=None,
                    help="the multi_turn_base split; for tau2, tau2's train or test split (default: its base split)")
-    p.add_argument("--suite", default="bfcl", help="bfcl (default), tau2 or mock")
+    p.add_argument("--suite", default="bfcl", help="bfcl (default), tau2, mcp (--category: an MCP server, e.g. git) or mock")
     p.set_defaults(func=cmd_tasks)
 
     p = sub.add_parser("run", help="run one episode step by step",

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 StepCallback = Callable[[Episode, Step], None]
 NOT_EXECUTED_SHADOW_OFF = "shadow execution off"
-NOT_EXECUTED_CANNOT_FORK = "not a read-only call, and this environment cannot fork (its forks run read-only calls only)"
+NOT_EXECUTED_CANNOT_FORK = ("the tool is not marked read-only, and this environment's forks share its real backend "
+                            "(e.g. a remote MCP server), so only read-only calls run on them")
 
 
 def step_seed(seed: int, step_index: int, attempt: int = 0) -> int:
@@ -329,6 +330,8 @@ class EpisodeRunner:
             result = fork.call(b.call.name, b.call.arguments)
             b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
             b.shadow_state_after = fork.state()
+            if hasattr(fork, "close"):  # an MCP fork holds a server process: end it now, not at garbage collection
+                fork.close()
             count += 1
         return count
 

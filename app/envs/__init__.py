@@ -1,7 +1,9 @@
-"""Environments: the protocol, the BFCL multi-turn adapter, tau2-bench, a mock, and a registry by id prefix.
+"""Environments: the protocol, the BFCL multi-turn adapter, tau2-bench, MCP servers, a mock, and a
+registry by id prefix.
 
 `load_task("bfcl:multi_turn_base_12")`, `make_env(task)` and `make_judge(task)` dispatch on
-the part of the id before the colon (`bfcl:`, `tau2:`, `mock:`).
+the part of the id before the colon (`bfcl:`, `tau2:`, `mcp:`, `mock:`). `task_group("mcp:git")`
+expands a group name to its task ids (None for a single id).
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from app.envs import tau2_tasks
 from app.envs.tau2 import Tau2Environment
 from app.envs.tau2_check import Tau2Judge
 
-SUITES: tuple[str, ...] = ("bfcl", "mock", "tau2")
+# MCP servers (git, sqlite, filesystem): ids like `mcp:git/commit-readme`.
+from app.envs import mcp_tasks
+from app.envs.mcp import MCPEnvironment, MCPServerConfig, MCPStartError
+
+SUITES: tuple[str, ...] = ("bfcl", "mock", "tau2", "mcp")
 
 
 def _suite(task_id: str) -> str:
@@ -37,6 +43,8 @@ def load_task(task_id: str) -> Task:
         return load_bfcl_task(task_id)
     if _suite(task_id) == "tau2":
         return tau2_tasks.load_task(task_id)
+    if _suite(task_id) == "mcp":
+        return mcp_tasks.load_task(task_id)
     if task_id != MOCK_TASK_ID:
         raise UnknownTaskError(f"unknown mock task {task_id!r}; the only one is {MOCK_TASK_ID}")
     return mock_task()
@@ -44,28 +52,45 @@ def load_task(task_id: str) -> Task:
 
 def list_tasks(category: str | None = None, split: str | None = None, *, suite: str = "bfcl") -> list[str]:
     """Task ids of a suite (BFCL by default), optionally of one category and/or split
-    (tau2: the category is the domain)."""
+    (tau2: the category is the domain; mcp: the category is a server, `git`, `sqlite` or
+    `filesystem`, and MCP tasks have no split)."""
     if suite == "bfcl":
         return list_bfcl_tasks(category, split)
     if suite == "tau2":
         return tau2_tasks.list_tasks(category, split)
+    if suite == "mcp":
+        if split is not None:
+            raise UnknownTaskError(f"MCP tasks have no {split} split")
+        return mcp_tasks.list_tasks(category)
     if suite == "mock":
         return [MOCK_TASK_ID] if category in (None, "mock") and split is None else []
     raise UnknownTaskError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
 
 
 def make_env(task: Task) -> Environment:
-    """A fresh environment for the task, at turn 0 (every kind also has `set_turn(turn)`)."""
+    """A fresh environment for the task, at turn 0 (every kind also has `set_turn(turn)`).
+
+    An MCP environment runs a server process: close it (`env.close()`) when done; garbage
+    collection and interpreter exit close it too."""
     if _suite(task.id) == "tau2":
         return Tau2Environment.from_task(task)
+    if _suite(task.id) == "mcp":
+        return mcp_tasks.make_env(task)
     return make_bfcl_env(task) if _suite(task.id) == "bfcl" else make_mock_env(task)
 
 
-def make_judge(task: Task) -> ReplayJudge | Tau2Judge:
+def make_judge(task: Task) -> ReplayJudge | Tau2Judge | mcp_tasks.MCPJudge:
     """A fresh per-episode judge for the task (`check_turn(turn_index, env, executed)`)."""
     if _suite(task.id) == "tau2":
         return Tau2Judge(task)
+    if _suite(task.id) == "mcp":
+        return mcp_tasks.MCPJudge(task)
     return BFCLJudge(task) if _suite(task.id) == "bfcl" else MockJudge(task)
+
+
+def task_group(spec: str) -> list[str] | None:
+    """The task ids a group name stands for (`mcp`, `mcp:git`), or None when `spec` is not one."""
+    return mcp_tasks.task_group(spec)
 
 
 __all__ = [
@@ -73,6 +98,9 @@ __all__ = [
     "BFCLJudge",
     "CATEGORIES",
     "Environment",
+    "MCPEnvironment",
+    "MCPServerConfig",
+    "MCPStartError",
     "MOCK_TASK_ID",
     "MockEnvironment",
     "MockJudge",
@@ -88,4 +116,5 @@ __all__ = [
     "mock_task",
     "parse_call_string",
     "replay_ground_truth",
+    "task_group",
 ]

@@ -15,6 +15,7 @@ from app import envs
 from app.config import DEFAULT_MODEL, ROOT
 from app.envs.base import Task, TurnCheck
 from app.engine.history import with_typed_turns
+from app.envs import mcp_tasks
 from app.envs.bfcl_tasks import CLASS_SOURCES
 from app.records import Episode, RunSettings
 from app.service.forms import InputError
@@ -24,7 +25,9 @@ INSTRUCTION_PREFIX = "instruction:"
 """Task ids of typed instructions: `instruction:<EnvClass>` (no ground truth, never judged)."""
 INSTRUCTION_BUDGET = 4
 """Steps per turn for a typed instruction (there is no gold sequence to size it from)."""
-ENV_CLASSES: tuple[str, ...] = tuple(CLASS_SOURCES)
+MCP_SERVERS: tuple[str, ...] = tuple(f"mcp:{name}" for name in mcp_tasks.servers())
+"""Environments of a typed instruction on an MCP server (its task file's base setup; never judged)."""
+ENV_CLASSES: tuple[str, ...] = tuple(CLASS_SOURCES) + MCP_SERVERS
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class TaskCatalog:
         with self._lock:
             if self._tasks is None:
                 self._tasks = {}
-                for task_id in envs.list_tasks() + envs.list_tasks(suite="mock") + envs.list_tasks(suite="tau2"):
+                for task_id in (envs.list_tasks() + envs.list_tasks(suite="mock") + envs.list_tasks(suite="tau2")
+                                + envs.list_tasks(suite="mcp")):
                     task = envs.load_task(task_id)
                     first = next((m["content"] for turn in task.turns for m in turn), "")
                     self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
@@ -104,7 +108,7 @@ def instruction_task(text: str, env_class: str) -> Task:
 def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
     """User turns of a stored episode's task; the ones a person typed, and typed instructions, come
     from the turn results that recorded them."""
-    if task_id.startswith(INSTRUCTION_PREFIX):
+    if task_id.startswith(INSTRUCTION_PREFIX) or task_id.endswith(f"/{mcp_tasks.FREE}"):
         for t in episode.turn_results if episode else []:
             if t.details.get("instruction"):
                 return [[{"role": "user", "content": t.details["instruction"]}]]
@@ -140,6 +144,11 @@ class RunRequest:
                 return envs.load_task(self.task_id), None
             except ValueError as exc:
                 raise InputError(str(exc)) from None
+        if self.env_class in MCP_SERVERS:  # the suite's own environment and judge (which records it unjudged)
+            if not self.instruction.strip():
+                raise InputError("The instruction is empty: type what the agent should do, or pick a benchmark task.")
+            task = mcp_tasks.free_task(self.env_class.partition(":")[2], self.instruction)
+            return task, envs.make_judge(task)
         if self.instruction.strip() or self.env_class:
             task = instruction_task(self.instruction, self.env_class)
             return task, UnjudgedJudge(self.instruction.strip())

@@ -184,7 +184,8 @@ class RunSession:
             self.notices.append("Settings or task changed: started a new episode (the previous one is saved as stopped).")
         self.recorder = Recorder(services.store)
         self.unjudged = judge is not None
-        env = envs.BFCLEnvironment.from_task(task) if judge is not None else None
+        # A typed BFCL instruction names its class; every other task (an MCP instruction too) its suite.
+        env = envs.BFCLEnvironment.from_task(task) if task.id.startswith(INSTRUCTION_PREFIX) else None
         from app.engine import EpisodeRunner
 
         self.runner = EpisodeRunner(task, policy, request.settings, model=request.model, adapter=request.adapter,
