@@ -332,3 +332,15 @@ def test_typed_turns_are_stored_shown_in_traces_and_restored_on_continue(tmp_pat
                                                                        "Thanks, that is all."]
     assert resumed.step() is None and resumed.episode.status == "finished"  # the unanswered typed turn is gone
     assert resumed.add_user_turn("One more question.") == 2 and not resumed.done
+
+
+def test_eval_takes_a_domain_or_the_whole_suite_with_its_splits():
+    from app.eval.evaluation import resolve_tasks
+
+    airline = resolve_tasks("tau2:airline")
+    assert len(airline) == 50 and all(t.startswith("tau2:airline/") for t in airline)
+    held = resolve_tasks("tau2:airline", split="heldout")
+    assert len(held) == 20 and set(held) < set(airline)  # tau2's test split, within its base split
+    assert len(resolve_tasks("tau2", limit=3)) == 3 and len(resolve_tasks("tau2")) == 50 + 114 + 114
+    with pytest.raises(ValueError, match="unknown tau2 domain 'bank'"):
+        resolve_tasks("tau2:bank")

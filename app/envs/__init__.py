@@ -88,9 +88,15 @@ def make_judge(task: Task) -> ReplayJudge | Tau2Judge | mcp_tasks.MCPJudge:
     return BFCLJudge(task) if _suite(task.id) == "bfcl" else MockJudge(task)
 
 
-def task_group(spec: str) -> list[str] | None:
-    """The task ids a group name stands for (`mcp`, `mcp:git`), or None when `spec` is not one."""
-    return mcp_tasks.task_group(spec)
+def task_group(spec: str, split: str | None = None) -> list[str] | None:
+    """The task ids a group name stands for (`mcp`, `mcp:git`, `tau2`, `tau2:airline`), optionally of
+    one split (tau2 only: `train` or `heldout`), or None when `spec` is not a group."""
+    if spec == "tau2" or (spec.startswith("tau2:") and "/" not in spec):
+        return tau2_tasks.list_tasks(spec.partition(":")[2] or None, split)
+    group = mcp_tasks.task_group(spec)
+    if group is not None and split is not None:
+        raise UnknownTaskError(f"{spec} tasks have no {split} split (MCP tasks are not split)")
+    return group
 
 
 __all__ = [

@@ -100,9 +100,9 @@ ProgressCallback = Callable[[EvalProgress], None]
 
 def resolve_tasks(spec: str, split: str | None = None, limit: int | None = None) -> list[str]:
     """Task ids from a comma list of categories (`multi_turn_base`, `bfcl:multi_turn_base`), groups
-    (`mcp:git`: every task of that MCP server; `mcp`: all of them) and ids.
+    (`mcp:git`: every task of that MCP server; `mcp`: all of them; `tau2:airline`, `tau2`) and ids.
 
-    `split` keeps the ids of one split (`train`, `heldout`; only multi_turn_base is split);
+    `split` keeps the ids of one split (`train`, `heldout`; multi_turn_base and tau2 are split);
     `limit` keeps the first N. Raises ValueError (UnknownTaskError included) with a one-line
     message for unknown ids or categories, an empty selection, or a limit under 1.
     """
@@ -113,10 +113,8 @@ def resolve_tasks(spec: str, split: str | None = None, limit: int | None = None)
         raise ValueError("no task given: --tasks takes a category or a comma list of task ids")
     ids: list[str] = []
     for item in items:
-        group = envs.task_group(item)  # e.g. mcp:git, every task of that server
+        group = envs.task_group(item, split)  # e.g. mcp:git (every task of that server), tau2:airline
         if group is not None:
-            if split is not None:
-                raise ValueError(f"{item} tasks have no {split} split (only multi_turn_base is split)")
             ids += group
             continue
         category = item.split(":", 1)[1] if item.startswith("bfcl:") else item
