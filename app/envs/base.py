@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import jsonschema
+
 
 @dataclass
 class Tool:
@@ -99,3 +101,50 @@ class Task:
     """Step budget for each user turn."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Suite-specific data (e.g. BFCL's `missed_function`)."""
+
+
+# ---------------------------------------------------------------- shared by the environments
+
+
+class ToolTable:
+    """`tools()`, `get_tool`, `param_names` and `set_turn` over a fixed `self._tools` (name -> Tool),
+    for environments whose tools do not change with the turn (BFCL's miss_func ones do)."""
+
+    _tools: dict[str, Tool]
+    turn: int = 0
+
+    def set_turn(self, turn: int) -> None:
+        """Enter user turn `turn`; the tools stay the same."""
+        self.turn = turn
+
+    def tools(self) -> list[Tool]:
+        """The agent's tools (shared objects: do not mutate)."""
+        return list(self._tools.values())
+
+    def get_tool(self, name: str) -> Tool | None:
+        return self._tools.get(name)
+
+    def param_names(self, tool_name: str) -> list[str]:
+        """Parameter names in the tool's documented order (for positional arguments)."""
+        tool = self._tools.get(tool_name)
+        return list(tool.parameters.get("properties", {})) if tool else []
+
+
+def without_null_optionals(tool: Tool, args: dict[str, Any]) -> dict[str, Any]:
+    """A JSON null for an optional argument means "not given", as most JSON APIs read it."""
+    optional = set(tool.parameters.get("properties", {})) - set(tool.parameters.get("required", []))
+    return {k: v for k, v in args.items() if v is not None or k not in optional}
+
+
+def argument_problems(validator: jsonschema.protocols.Validator, args: dict[str, Any]) -> str | None:
+    """What is wrong with `args` under the tool's schema, one clause per problem in argument order
+    (`path: message`; unknown names as "unexpected argument(s)"), or None when they are valid."""
+    problems = sorted(validator.iter_errors(args), key=lambda e: list(e.path))
+    return "; ".join(_describe(e) for e in problems) or None
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in error.path)
+    if error.validator == "additionalProperties":
+        return error.message.replace("Additional properties are not allowed", "unexpected argument(s)")
+    return f"{where}: {error.message}" if where else error.message

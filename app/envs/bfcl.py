@@ -21,7 +21,7 @@ from typing import Any
 
 import jsonschema
 
-from app.envs.base import Task, Tool, ToolResult
+from app.envs.base import Task, Tool, ToolResult, argument_problems, without_null_optionals
 from app.envs.bfcl_tasks import CLASS_SOURCES, class_tools
 
 log = logging.getLogger(__name__)
@@ -147,13 +147,10 @@ class BFCLEnvironment:
             return ToolResult({"error": f"unknown tool {name!r}"}, error=True)
         if not isinstance(args, dict):
             return ToolResult({"error": f"arguments of {name} must be an object, got {type(args).__name__}"}, error=True)
-        # A JSON null for an optional argument means "not given", as most JSON APIs read it.
-        optional = set(tool.parameters["properties"]) - set(tool.parameters["required"])
-        args = {k: v for k, v in args.items() if v is not None or k not in optional}
-        problems = sorted(_validator(tool.env_class, name).iter_errors(args), key=lambda e: list(e.path))
+        args = without_null_optionals(tool, args)
+        problems = argument_problems(_validator(tool.env_class, name), args)
         if problems:
-            text = "; ".join(_describe(e) for e in problems)
-            return ToolResult({"error": f"invalid arguments for {name}: {text}"}, error=True)
+            return ToolResult({"error": f"invalid arguments for {name}: {problems}"}, error=True)
         method = getattr(self._instances[tool.env_class], name)
         try:
             # A copy: tools store argument lists (e.g. tweet tags) inside their state.
@@ -188,13 +185,6 @@ class BFCLEnvironment:
 def make_env(task: Task) -> BFCLEnvironment:
     """A fresh environment for a BFCL task."""
     return BFCLEnvironment.from_task(task)
-
-
-def _describe(error: jsonschema.ValidationError) -> str:
-    where = ".".join(str(p) for p in error.path)
-    if error.validator == "additionalProperties":
-        return error.message.replace("Additional properties are not allowed", "unexpected argument(s)")
-    return f"{where}: {error.message}" if where else error.message
 
 
 def to_jsonable(value: Any, _ancestors: frozenset[int] = frozenset()) -> Any:

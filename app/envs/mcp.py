@@ -38,7 +38,7 @@ from typing import Any
 
 import jsonschema
 
-from app.envs.base import Tool, ToolResult
+from app.envs.base import Tool, ToolResult, ToolTable, argument_problems
 from app.envs.mcp_client import (MCPServerConfig, MCPStartError, Session, describe, is_timeout, server_errors,
                                  server_failure, servers_dir)
 from app.envs.mcp_state import folder_state
@@ -51,7 +51,7 @@ TEXT_RESPONSE: dict[str, Any] = {
 # ---------------------------------------------------------------- the environment
 
 
-class MCPEnvironment:
+class MCPEnvironment(ToolTable):
     """The tools of one MCP server; see the module docstring for the contract."""
 
     def __init__(self, config: MCPServerConfig, *, state_dir: Path | None = None, owns_state: bool = False,
@@ -85,23 +85,7 @@ class MCPEnvironment:
         env._tools = {t.name: _tool(t, name, config.read_only_tools) for t in tools}
         return env
 
-    # -- tools -------------------------------------------------------------
-
-    def set_turn(self, turn: int) -> None:
-        """Enter user turn `turn`; an MCP server's tools do not change with the turn."""
-        self.turn = turn
-
-    def tools(self) -> list[Tool]:
-        return list(self._tools.values())
-
-    def get_tool(self, name: str) -> Tool | None:
-        return self._tools.get(name)
-
-    def param_names(self, tool_name: str) -> list[str]:
-        tool = self._tools.get(tool_name)
-        return list(tool.parameters.get("properties", {})) if tool else []
-
-    # -- the call boundary -------------------------------------------------
+    # -- the call boundary (tools(), get_tool, param_names, set_turn: ToolTable) -- -------------------------------------------------
 
     def call(self, name: str, args: dict[str, Any]) -> ToolResult:
         """Execute one call on the server; every failure comes back as an error result."""
@@ -110,10 +94,9 @@ class MCPEnvironment:
             return _error(f"unknown tool {name!r}; this server has: {', '.join(self._tools) or 'none'}")
         if not isinstance(args, dict):
             return _error(f"arguments of {name} must be an object, got {type(args).__name__}")
-        problems = sorted(self._validator(tool).iter_errors(args), key=lambda e: list(e.path))
+        problems = argument_problems(self._validator(tool), args)
         if problems:
-            text = "; ".join(f"{'.'.join(map(str, e.path)) or '(arguments)'}: {e.message}" for e in problems)
-            return _error(f"invalid arguments for {name}: {text}")
+            return _error(f"invalid arguments for {name}: {problems}")
         if not self._finalizer.alive:
             return _error("this MCP environment is closed")
         try:

@@ -33,7 +33,7 @@ from typing import Any
 
 import jsonschema
 
-from app.envs.base import Task, Tool, ToolResult
+from app.envs.base import Task, Tool, ToolResult, ToolTable, argument_problems, without_null_optionals
 from app.envs.tau2_tasks import domain_tools, new_domain_env, parse_task_id, tau2_task, tau2_module
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class _Backend:
         return _Backend(copy.deepcopy(self.env), self.initial)
 
 
-class Tau2Environment:
+class Tau2Environment(ToolTable):
     """The agent tools of one tau2 domain over that domain's DB (see the module docstring)."""
 
     forkable = True
@@ -85,22 +85,6 @@ class Tau2Environment:
 
     # -- tools -------------------------------------------------------------
 
-    def set_turn(self, turn: int) -> None:
-        """Enter user turn `turn`; a tau2 domain's tools never change with the turn."""
-        self.turn = turn
-
-    def tools(self) -> list[Tool]:
-        """The agent's tools (shared objects: do not mutate)."""
-        return list(self._tools.values())
-
-    def get_tool(self, name: str) -> Tool | None:
-        return self._tools.get(name)
-
-    def param_names(self, tool_name: str) -> list[str]:
-        """Parameter names in the tool's documented order (for positional arguments)."""
-        tool = self._tools.get(tool_name)
-        return list(tool.parameters["properties"]) if tool else []
-
     @property
     def tau2_env(self) -> Any:
         """The live tau2 `Environment` (read only: calling its tools bypasses copy on write)."""
@@ -116,13 +100,10 @@ class Tau2Environment:
         if not isinstance(args, dict):
             return ToolResult({"error": f"arguments of {name} must be an object, got {type(args).__name__}"},
                               error=True)
-        # A JSON null for an optional argument means "not given" (tau2's defaults are None).
-        optional = set(tool.parameters["properties"]) - set(tool.parameters["required"])
-        args = {k: v for k, v in args.items() if v is not None or k not in optional}
-        problems = sorted(_validator(self.domain, name).iter_errors(args), key=lambda e: list(e.path))
+        args = without_null_optionals(tool, args)  # tau2's defaults are None
+        problems = argument_problems(_validator(self.domain, name), args)
         if problems:
-            text = "; ".join(_describe(e) for e in problems)
-            return ToolResult({"error": f"invalid arguments for {name}: {text}"}, error=True)
+            return ToolResult({"error": f"invalid arguments for {name}: {problems}"}, error=True)
         refusal = _refuse(name, args)
         if refusal:
             return ToolResult({"error": refusal}, error=True)
@@ -236,10 +217,3 @@ def _validator(domain: str, tool_name: str) -> jsonschema.protocols.Validator:
         # Unknown argument names are an error (the Python method would raise TypeError anyway).
         _VALIDATORS[key] = jsonschema.Draft202012Validator({**tool.parameters, "additionalProperties": False})
     return _VALIDATORS[key]
-
-
-def _describe(error: jsonschema.ValidationError) -> str:
-    where = ".".join(str(p) for p in error.path)
-    if error.validator == "additionalProperties":
-        return error.message.replace("Additional properties are not allowed", "unexpected argument(s)")
-    return f"{where}: {error.message}" if where else error.message
