@@ -302,6 +302,8 @@ def main() -> None:
         results["startup"] = {"cold_s": cold.load_seconds, "cold": cold.cold, "warm_s": warm_s,
                               "warm_cold_flag": warm.cold}
         print(f"(d) cold start {cold.load_seconds:.1f} s (conversion), warm start {warm_s:.2f} s")
+    elif RESULTS.exists() and "startup" in json.loads(RESULTS.read_text()):
+        results["startup"] = {**json.loads(RESULTS.read_text())["startup"], "from_an_earlier_run": True}
 
     # (e) what fp16/int8 weights change: greedy text against fp32 on held-out prompts (the shipped adapter)
     if args.agreement:

@@ -34,15 +34,20 @@ def peer_worker(spec_path: str) -> None:
     ids, new_tokens = spec["ids"], spec["new_tokens"]
     llm = Llama(model_path=spec["gguf"], n_ctx=len(ids) + new_tokens + 16, n_threads=spec["threads"],
                 n_threads_batch=spec["threads"], n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
+
+    def greedy() -> int:  # the last position's logits (llama-cpp-python keeps no copy without logits_all)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(vocab,))))
+
     llm.reset()
     start = time.perf_counter()
     llm.eval(ids)
     prompt_s = time.perf_counter() - start
-    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    out = [greedy()]
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
         llm.eval([out[-1]])
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        out.append(greedy())
     decode_s = time.perf_counter() - start
     print(json.dumps({"version": llama_cpp.__version__, "prompt_s": prompt_s, "decode_s": decode_s, "tokens": out,
                       "system_info": llama_cpp.llama_print_system_info().decode().strip()}))
