@@ -9,6 +9,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import platform
 import sys
 import tempfile
@@ -175,8 +176,8 @@ def weight_bytes(model: Any) -> int:
     embedding = model.get_input_embeddings().weight
     for module in model.modules():
         if isinstance(module, qd.Linear):
-            weight, _ = module._packed_params._weight_bias()
-            total += weight.numel() * weight.element_size()
+            weight, _ = module._packed_params._weight_bias()  # unpacked: fp16 ones come back as fp32
+            total += weight.numel() * (1 if weight.is_quantized else 2)
             if weight.is_quantized:
                 total += weight.shape[0] * 4
     for param in model.parameters():
@@ -225,7 +226,7 @@ def main() -> None:
     repeats, new_tokens = (1, 16) if args.quick else (2, 48)
     results: dict[str, Any] = {
         "machine": {"cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
     }
 
     policy = load_policy("embedded")

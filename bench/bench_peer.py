@@ -7,7 +7,7 @@ both alike, and each figure is the best round. Prompt tokens/s: the whole prompt
 
 llama.cpp runs in its own virtual environment (`make bench-peer` builds it: requirements-bench.txt,
 never part of `make setup`/`make test`); this script starts it as a subprocess (`--peer-worker`), which
-imports only llama_cpp and numpy. Writes bench/results/peer.json.
+imports only llama_cpp and numpy. Writes bench/results/peer.json (peer_threadsN.json for --threads N != 2).
 Run: `.venv/bin/python bench/bench_peer.py --peer-python .venv-bench/bin/python`.
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main() -> None:
                                                 f"{e['peer_over_ours_prompt']:.2f}x at the prompt")
         print(f"{name:9s}: prompt {e['prompt_tok_s']:7.1f} tok/s, decode {e['decode_tok_s']:6.1f} tok/s, "
               f"{e['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token{ratio}")
-    write_results("peer", results)
+    write_results("peer" if args.threads == 2 else f"peer_threads{args.threads}", results)
 
 
 if __name__ == "__main__":
