@@ -66,13 +66,15 @@ def table() -> str:
                     f"(equal to the expert's: fp32 / fp16 / int8) | {agree['fp16']['same_text_as_fp32']} / "
                     f"{agree['int8']['same_text_as_fp32']} ({agree['fp32']['equals_expert_target']} / "
                     f"{agree['fp16']['equals_expert_target']} / {agree['int8']['equals_expert_target']}) | |")
-    peer = load("peer")
-    if peer.get("engines"):
+    for peer in (load("peer"), load("peer_threads1")):
+        if not peer.get("engines"):
+            continue
         e = peer["engines"]
         cpp = e["llama.cpp"]
+        load_avg = fmt(peer.get("machine", {}).get("load_average", [None])[0])
         rows.append(f"| llama.cpp ({cpp['version']}, {peer['gguf']['file']}, {fmt(cpp['weight_bytes_per_token'])} bytes "
-                    f"a token), {peer['threads']} threads: decode / prompt tokens/s | {fmt(cpp['decode_tok_s'])} / "
-                    f"{fmt(cpp['prompt_tok_s'])} | |")
+                    f"a token), {peer['threads']} thread(s), load average {load_avg}: decode / prompt tokens/s | "
+                    f"{fmt(cpp['decode_tok_s'])} / {fmt(cpp['prompt_tok_s'])} | |")
         for name in ("fp32", "fp16", "int8"):
             if name in e:
                 rows.append(f"| ours, {name} weights, same run: decode / prompt tokens/s (llama.cpp's decode / ours) | "
