@@ -254,7 +254,8 @@ WEIGHT_FORMATS = ("fp32", "fp16", "int8")
 `fp32` as converted (the default: exact); `fp16` half the bytes, activations stay fp32 (fbgemm's
 fp16 GEMM); `int8` a quarter, per-channel int8 weights with activations quantized per token at run
 time (fbgemm, torch's dynamic quantization). Both change the numbers slightly: bench/bench_decode.py
-measures their speed and their greedy text against fp32."""
+measures their speed and their greedy text against fp32. torch 2.13 warns that its eager quantization
+API is deprecated in favour of torchao; torch is pinned, so it stays until an upgrade moves it."""
 
 
 def weights_format(weights: str | None = None) -> str:
