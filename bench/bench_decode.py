@@ -195,8 +195,8 @@ def greedy_agreement(variants: dict[str, Any], limit: int, new_tokens: int) -> d
     reference = variants["fp32"]
     rows, _ = expert_rows(envs.list_tasks("multi_turn_base", "heldout")[:4],
                           PromptContext(reference.count_tokens, reference.context_window))
-    act = [r for r in rows if r.kind == "act"][: limit // 2]
-    rehearse = [r for r in rows if r.kind == "rehearse"][: limit - len(act)]
+    act = [r for r in rows if r.role == "act"][: limit // 2]
+    rehearse = [r for r in rows if r.role == "rehearse"][: limit - len(act)]
     sample = act + rehearse
     config = GenerationConfig(max_new_tokens=new_tokens)
     texts = {}
