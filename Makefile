@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast bench train-agent eval browser-deps mcp-deps clean
+.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -66,4 +66,15 @@ eval: setup
 		--seed 0 --out runs/eval-heldout $(EVAL_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache $(MCP_DIR)
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache $(MCP_DIR)
+
+# Benchmark only, never part of setup/test/CI: llama.cpp (llama-cpp-python compiles it from source,
+# 10+ minutes on 2 cores) in its own environment, against our loop on the same GGUF file.
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/.setup-done: requirements-bench.txt
+	test -x $(BENCH_VENV)/bin/python || $(PY) -m venv $(BENCH_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BENCH_VENV)/bin/python -m pip install -q -r requirements-bench.txt
+	touch $@
+
+bench-peer: setup $(BENCH_VENV)/.setup-done
+	$(PYTHON) bench/bench_peer.py --peer-python $(BENCH_VENV)/bin/python

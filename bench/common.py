@@ -17,7 +17,8 @@ def machine() -> dict:
     import torch
 
     return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "load_average": os.getloadavg()}
 
 
 def write_results(name: str, data: dict) -> Path:

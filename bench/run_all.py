@@ -49,12 +49,37 @@ def table() -> str:
         (d.get("hf_generate_batch1_tok_s"), "decode tokens/s, batch 1, plain `generate`", ""),
         (b.get("bound_tok_s"), f"bound: {fmt(b.get('read_gb_s'))} GB/s read / {fmt(b.get('weight_bytes'))} weight bytes, tokens/s", ""),
         (b.get("ratio_batch1"), "batch-1 decode / bound", ">= 0.70"),
+        (d.get("ours_batch1_generic_tok_s"), "decode tokens/s, batch 1, our loop through `model(...)` (before the lean step)", ""),
+        (d.get("ours_batch1_fp16_tok_s"), "decode tokens/s, batch 1, fp16 weights (`ENVACE_WEIGHTS=fp16`)", ""),
+        (b.get("fp16", {}).get("ratio_batch1"), f"fp16: batch-1 decode / its bound ({fmt(b.get('fp16', {}).get('weight_bytes'))} weight bytes)", ">= 0.70"),
+        (d.get("ours_batch1_int8_tok_s"), "decode tokens/s, batch 1, int8 weights (`ENVACE_WEIGHTS=int8`)", ""),
+        (b.get("int8", {}).get("ratio_batch1"), f"int8: batch-1 decode / its bound ({fmt(b.get('int8', {}).get('weight_bytes'))} weight bytes)", ">= 0.70"),
         (sp.get("speedup"), f"shared-prefix batched K=4 vs 4x plain `generate` (same outputs: {all(sp.get('same_outputs', [False]))})", ">= 2.5x"),
         (st.get("cold_s"), "cold start: GGUF conversion + load, s", ""),
         (st.get("warm_s"), "warm start: from the safetensors cache, s", ""),
     ):
         if value is not None:
             rows.append(f"| {label} | {fmt(value)} | {goal} |")
+    agree = dec.get("quantized_agreement")
+    if agree:
+        rows.append(f"| greedy text equal to fp32's, {agree['prompts']} held-out prompts, shipped adapter: fp16 / int8 "
+                    f"(equal to the expert's: fp32 / fp16 / int8) | {agree['fp16']['same_text_as_fp32']} / "
+                    f"{agree['int8']['same_text_as_fp32']} ({agree['fp32']['equals_expert_target']} / "
+                    f"{agree['fp16']['equals_expert_target']} / {agree['int8']['equals_expert_target']}) | |")
+    for peer in (load("peer"), load("peer_threads1")):
+        if not peer.get("engines"):
+            continue
+        e = peer["engines"]
+        cpp = e["llama.cpp"]
+        load_avg = fmt(peer.get("machine", {}).get("load_average", [None])[0])
+        rows.append(f"| llama.cpp ({cpp['version']}, {peer['gguf']['file']}, {fmt(cpp['weight_bytes_per_token'])} bytes "
+                    f"a token), {peer['threads']} thread(s), load average {load_avg}: decode / prompt tokens/s | "
+                    f"{fmt(cpp['decode_tok_s'])} / {fmt(cpp['prompt_tok_s'])} | |")
+        for name in ("fp32", "fp16", "int8"):
+            if name in e:
+                rows.append(f"| ours, {name} weights, same run: decode / prompt tokens/s (llama.cpp's decode / ours) | "
+                            f"{fmt(e[name]['decode_tok_s'])} / {fmt(e[name]['prompt_tok_s'])} "
+                            f"({fmt(e[name]['peer_over_ours_decode'], 'x')}) | <= 1.5x |")
     ui = load("ui")
     if "worst_callback_p50_ms" in ui:
         rows.append(f"| UI overhead per step, model excluded: callback p50 (worst task) | "

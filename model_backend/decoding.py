@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import Timings
 from .constrain import mask_logits
+from .fast_step import decode_step
 from .prefix_cache import PrefixCache
 
 
@@ -235,6 +236,7 @@ def generate(
         cache, mask, positions = pre.cache, pre.attention_mask, pre.next_positions
         logits = pre.logits[:, -1, :]
         ones = torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)
+        next_logits = decode_step(model, cache)  # the same logits as model(...), with less Python per token
         for step in range(max_new_tokens):
             # Log-probabilities stay the model's own (unmasked): scores compare texts, not grammars.
             logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -264,16 +266,8 @@ def generate(
             feed = torch.where(torch.tensor(done, device=tokens.device), pad_id, tokens)
             if pre.has_padding:  # without pads the mask is all ones: skip it (and its per-step cost)
                 mask = torch.cat([mask, ones], dim=1)
-            step_out = model(
-                input_ids=feed[:, None],
-                attention_mask=mask if pre.has_padding else None,
-                position_ids=positions[:, None],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            logits = next_logits(feed[:, None], mask if pre.has_padding else None, positions[:, None])
             positions = positions + 1
-            logits = step_out.logits[:, -1, :]
 
     for row, out in zip(rows, outputs):
         out.text = _cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=False), row.stop)

@@ -11,13 +11,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .loading import AdapterError, load_model, resolve_device
+from .loading import AdapterError, load_model, resolve_device, weights_format
 from .spec import parse_spec
 
 if TYPE_CHECKING:
     from .policy import TransformersPolicy
 
-_POLICIES: dict[tuple[str, str | None, str], TransformersPolicy] = {}
+_POLICIES: dict[tuple[str, str | None, str, str], TransformersPolicy] = {}
 _POLICIES_LOCK = threading.Lock()
 
 
@@ -26,10 +26,12 @@ def load_policy(
     adapter: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     device: str = "auto",
+    weights: str | None = None,
 ) -> TransformersPolicy:
     """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device);
     an `OpenAIPolicy` for an `openai:` spec (checked against the server, never cached: a restarted
-    server is seen again)."""
+    server is seen again). `weights`: `fp32`, `fp16` or `int8` linear weights (local CPU models; default
+    $ENVACE_WEIGHTS, else fp32)."""
     parsed = parse_spec(spec)
     if parsed.kind == "openai":
         if adapter is not None:
@@ -41,11 +43,13 @@ def load_policy(
     from .policy import TransformersPolicy
 
     dev, _ = resolve_device(device)
+    weights = weights_format(weights)
     adapter_key = str(Path(adapter).expanduser().resolve()) if adapter is not None else None
-    key = (spec.strip(), adapter_key, str(dev))
+    key = (spec.strip(), adapter_key, str(dev), weights)
     with _POLICIES_LOCK:  # the UI may ask from several threads; load once
         if key not in _POLICIES:
             # Inference only, so the adapter is merged (faster); training loads its own copy.
-            loaded = load_model(spec, adapter=adapter, cache_dir=cache_dir, device=str(dev), merge_adapter=True)
+            loaded = load_model(spec, adapter=adapter, cache_dir=cache_dir, device=str(dev), merge_adapter=True,
+                                weights=weights)
             _POLICIES[key] = TransformersPolicy(loaded)
         return _POLICIES[key]

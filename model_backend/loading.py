@@ -57,6 +57,8 @@ class LoadedModel:
     """True when this load converted the weights (a GGUF read); False when it read a ready checkpoint."""
     adapter: str | None = None
     """The LoRA adapter directory applied on top, if any."""
+    weights: str = "fp32"
+    """How the linear layers hold their weights (`WEIGHT_FORMATS`)."""
 
 
 def embedded_gguf_path() -> Path:
@@ -246,24 +248,62 @@ def apply_adapter(loaded: LoadedModel, adapter: str | os.PathLike[str], identiti
     loaded.adapter = str(adapter_dir)
 
 
+WEIGHTS_ENV = "ENVACE_WEIGHTS"
+WEIGHT_FORMATS = ("fp32", "fp16", "int8")
+"""How the linear layers' weights are held for CPU inference (`weights=` of `load_model`):
+`fp32` as converted (the default: exact); `fp16` half the bytes, activations stay fp32 (fbgemm's
+fp16 GEMM); `int8` a quarter, per-channel int8 weights with activations quantized per token at run
+time (fbgemm, torch's dynamic quantization). Both change the numbers slightly: bench/bench_decode.py
+measures their speed and their greedy text against fp32. torch 2.13 warns that its eager quantization
+API is deprecated in favour of torchao; torch is pinned, so it stays until an upgrade moves it."""
+
+
+def weights_format(weights: str | None = None) -> str:
+    """The argument, else $ENVACE_WEIGHTS, else `fp32`; a user error for anything else."""
+    chosen = (weights or os.environ.get(WEIGHTS_ENV) or "fp32").strip().lower()
+    if chosen not in WEIGHT_FORMATS:
+        raise ModelSpecError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {chosen!r} "
+                             f"(argument or ${WEIGHTS_ENV})")
+    return chosen
+
+
+def quantize_linears(model: Any, weights: str) -> Any:
+    """Replace every `nn.Linear` (the LM head too; the embedding stays fp32) by torch's dynamically
+    quantized counterpart, in place. Inference only, CPU only; an unmerged adapter cannot be quantized."""
+    import torch
+    from torch.ao.quantization import float16_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+
+    if weights == "fp32":
+        return model
+    if type(model).__name__.startswith("Peft"):
+        raise ValueError("quantized weights need the adapter merged (merge_adapter=True)")
+    qconfig, dtype = ((per_channel_dynamic_qconfig, torch.qint8) if weights == "int8"
+                      else (float16_dynamic_qconfig, torch.float16))
+    return quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=dtype, inplace=True)
+
+
 def load_model(
     spec: str = "embedded",
     adapter: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     device: str = "auto",
     merge_adapter: bool = False,
+    weights: str = "fp32",
 ) -> LoadedModel:
     """Load a spec (converting a GGUF once into the cache) and optionally a LoRA adapter.
 
     `merge_adapter` folds the LoRA into this in-memory copy of the weights (inference only:
     the same function, without the adapter's extra matmuls; bench/bench_adapter.py measured
     the shipped adapter's K=1 act 1.25x faster merged, with the same greedy text). The files
-    on disk, base and adapter, are never written."""
+    on disk, base and adapter, are never written. `weights`: see `WEIGHT_FORMATS` (CPU only)."""
     parsed = parse_spec(spec)
+    weights = weights_format(weights)
     if parsed.kind == "openai":
         raise ModelSpecError(f"{spec!r} names a server, not local weights: it serves inference only "
                              "(export the training rows with `python -m app export --format trl` instead)")
     dev, dtype = resolve_device(device)
+    if weights != "fp32" and dev.type != "cpu":
+        raise ModelSpecError(f"weights={weights} is for CPU inference; on {dev.type} the model runs in {dtype}")
     start = time.perf_counter()
     cold = False
     if parsed.kind == "hf":
@@ -288,6 +328,8 @@ def load_model(
         apply_adapter(loaded, adapter, identities)
         if merge_adapter:
             loaded.model = loaded.model.merge_and_unload().eval()
+    loaded.model = quantize_linears(loaded.model, weights)
+    loaded.weights = weights
     loaded.load_seconds = time.perf_counter() - start
     log.info("loaded %s on %s (%s) in %.1f s%s", spec, dev, dtype, loaded.load_seconds, " (cold)" if cold else "")
     return loaded
