@@ -299,6 +299,9 @@ class EpisodeRunner:
             external = self._commit(branches[chosen])
         if self.rehearser.executes:  # its fork executions were the agent's own calls; the chosen one counts once
             external += len(ctx.forks) - (1 if chosen in ctx.forks else 0)
+        for fork in ctx.forks.values():  # an MCP fork holds a server process: end it with the step
+            if hasattr(fork, "close"):
+                fork.close()
         self._measure(ctx)
         return Step(index=ctx.index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
