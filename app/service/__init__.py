@@ -7,7 +7,8 @@
 - `diffing`: where two episodes first committed different actions.
 - `dashboard`: the Dashboard's plotly figures from the store's read queries.
 
-The UI imports from this package only; nothing here imports Gradio.
+The UI reaches the engine, environments and models only through this package (tests/test_architecture.py);
+nothing here imports Gradio.
 """
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
