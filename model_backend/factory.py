@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .loading import AdapterError, load_model, resolve_device, weights_format
+from .loading import INFERENCE_WEIGHTS, AdapterError, load_model, resolve_device, weights_format
 from .spec import parse_spec
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def load_policy(
     """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device);
     an `OpenAIPolicy` for an `openai:` spec (checked against the server, never cached: a restarted
     server is seen again). `weights`: `fp32`, `fp16` or `int8` linear weights (local CPU models; default
-    $ENVACE_WEIGHTS, else fp32)."""
+    $ENVACE_WEIGHTS, else fp16 on a CPU and the model's own dtype on a GPU)."""
     parsed = parse_spec(spec)
     if parsed.kind == "openai":
         if adapter is not None:
@@ -43,7 +43,7 @@ def load_policy(
     from .policy import TransformersPolicy
 
     dev, _ = resolve_device(device)
-    weights = weights_format(weights)
+    weights = weights_format(weights, default=INFERENCE_WEIGHTS if dev.type == "cpu" else "fp32")
     adapter_key = str(Path(adapter).expanduser().resolve()) if adapter is not None else None
     key = (spec.strip(), adapter_key, str(dev), weights)
     with _POLICIES_LOCK:  # the UI may ask from several threads; load once

@@ -1,21 +1,32 @@
-"""A lean decode step for Llama-architecture models: the same arithmetic as transformers' forward, less Python.
+"""A lean decode step for Llama-architecture models: transformers' arithmetic in fewer, fused ops.
 
-One decode step of SmolLM2-135M runs about 500 small tensor ops; transformers wraps them in 30 layers of
-module calls, decorators, keyword plumbing and output dataclasses, which cost about as much as the
-arithmetic itself at batch 1 on a CPU. This step calls the same kernels on the same weights in the same
-order (the model's own RMSNorm formula, rotary embedding, causal mask and SDPA attention function), so
-its logits are bitwise those of `model(...)` (tested), and writes keys and values straight into the
-decoding cache's buffers.
+One decode step of SmolLM2-135M runs about 500 small tensor ops through transformers' forward: 30 layers
+of module calls, decorators, keyword plumbing and output dataclasses, seven small matrix-vector products
+per layer, and RMSNorm and rotary embedding as chains of elementwise ops. At batch 1 on a CPU that
+overhead costs about as much as reading the weights. This step computes the same function with:
+
+- the q, k and v projections as one matrix product, and gate and up as another (their weights
+  concatenated once per set of weights, cached on the model and rebuilt when a weight changes);
+- RMSNorm in four ops, rotary embedding applied to q and k together;
+- single-query attention called directly: grouped query heads packed onto their key/value heads
+  (no `repeat_kv`), and the padding mask built from the 2-D mask (no causal mask: one query sees
+  every cached position);
+- keys and values written straight into the decoding cache's buffers; where the rows of a batch share
+  a prompt prefix (K candidates of one Act prompt, K Rehearse prompts of one history), attention reads
+  the prefix's keys and values once for all rows (`shared_prefix_attention`), not once per row.
+
+Its logits match `model(...)`'s to float rounding, not bitwise (the fused products sum in another
+order); tests check the difference is tiny and that greedy text is the forward's.
 
 `decode_step(model, cache)` returns such a step when the model and cache fit (a plain or merged
-`LlamaForCausalLM` with SDPA attention and a growing cache; its linear layers fp32 or quantized by
-`loading.quantize_linears`), else a step that calls `model(...)`:
-anything else (a PEFT wrapper with an unmerged adapter, other architectures, forward hooks) decodes
-as before.
+`LlamaForCausalLM` with SDPA attention, SiLU, a growing cache; its linear layers fp32 or quantized by
+`loading.quantize_linears`), else a step that calls `model(...)`: anything else (a PEFT wrapper with an
+unmerged adapter, other architectures, forward hooks) decodes as before.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,18 +46,43 @@ def generic_step(model: Any, cache: Any) -> Step:
     return step
 
 
-def _linear_types() -> tuple[type, ...]:
+def _dynamic_linear() -> type:
     import torch.ao.nn.quantized.dynamic as qd
 
-    return (torch.nn.Linear, qd.Linear)  # plain, or `loading.quantize_linears`'s fp16/int8
+    return qd.Linear
 
 
-def _linear(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`module(h)`, minus the module call's overhead for a plain `nn.Linear`."""
-    if type(module) is torch.nn.Linear:
-        weight, bias = module.weight, module.bias
+def _linear_types() -> tuple[type, ...]:
+    return (torch.nn.Linear, _dynamic_linear())  # plain, or `loading.quantize_linears`'s fp16/int8
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _is_fp16_dynamic(module: Any) -> bool:
+    return type(module) is _dynamic_linear() and module._packed_params.dtype == torch.float16
+
+
+def fused_linear(modules: Sequence[Any]) -> Linear:
+    """One function computing `torch.cat([m(h) for m in modules], -1)` as a single matrix product where the
+    weights allow it: plain fp32 `nn.Linear`s (weights concatenated) or fbgemm fp16 ones (re-packed).
+    Anything else (int8 with per-channel scales) stays separate products, concatenated."""
+    if all(type(m) is torch.nn.Linear for m in modules):
+        weight = torch.cat([m.weight.detach() for m in modules])
+        biases = [m.bias for m in modules]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(modules, biases)])
         return lambda h: F.linear(h, weight, bias)
-    return module
+    if all(_is_fp16_dynamic(m) for m in modules):
+        parts = [m._packed_params._weight_bias() for m in modules]  # unpacked to fp32
+        weight = torch.cat([w for w, _ in parts])
+        bias = None if all(b is None for _, b in parts) else torch.cat(
+            [b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts])
+        packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        return lambda h: torch.ops.quantized.linear_dynamic_fp16(h, packed)
+    if len(modules) == 1:
+        return modules[0]
+    return lambda h: torch.cat([m(h) for m in modules], dim=-1)
 
 
 def _has_hooks(model: Any) -> bool:
@@ -54,7 +90,7 @@ def _has_hooks(model: Any) -> bool:
 
 
 def lean_supported(model: Any, cache: Any) -> bool:
-    """Whether `lean_step` computes exactly what `model(...)` would for this model and cache."""
+    """Whether `lean_step` computes what `model(...)` would for this model and cache."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
 
     from .decoding import _GrowingLayer
@@ -64,7 +100,7 @@ def lean_supported(model: Any, cache: Any) -> bool:
     config = model.config
     if config._attn_implementation != "sdpa" or getattr(config, "pretraining_tp", 1) != 1:
         return False
-    if (config.rope_parameters or {}).get("rope_type", "default") != "default":
+    if (config.rope_parameters or {}).get("rope_type", "default") != "default" or config.hidden_act != "silu":
         return False
     inner = model.model
     if not all(type(layer) is _GrowingLayer for layer in cache.layers) or len(cache.layers) != len(inner.layers):
@@ -81,69 +117,126 @@ def lean_supported(model: Any, cache: Any) -> bool:
 
 
 def decode_step(model: Any, cache: Any) -> Step:
-    """The lean step where it is exact (see `lean_supported`), else the ordinary forward."""
+    """The lean step where it applies (see `lean_supported`), else the ordinary forward."""
     return lean_step(model, cache) if lean_supported(model, cache) else generic_step(model, cache)
 
 
+def _weights_key(model: Any) -> tuple[Any, ...]:
+    """Changes whenever a weight is replaced or written in place (a merge, a load, an optimizer step)."""
+    key = []
+    for module in model.modules():
+        if type(module) is _dynamic_linear():
+            key.append(id(module._packed_params))
+    for param in model.parameters():
+        key.append((param.data_ptr(), param._version))
+    return tuple(key)
+
+
+_FUSED: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[tuple[Linear, Linear]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _fused_layers(model: Any) -> list[tuple[Linear, Linear]]:
+    """Per layer (qkv, gate_up), built once per set of weights."""
+    key = _weights_key(model)
+    cached = _FUSED.get(model)
+    if cached is None or cached[0] != key:
+        layers = [(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
+                   fused_linear([l.mlp.gate_proj, l.mlp.up_proj])) for l in model.model.layers]
+        _FUSED[model] = cached = (key, layers)
+    return cached[1]
+
+
+def _plain(module: Any) -> Linear:
+    """`module(h)`, minus the module call's overhead for a plain `nn.Linear`."""
+    if type(module) is torch.nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda h: F.linear(h, weight, bias)
+    return module
+
+
+def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and the log-sum-exp of its scores (what merging two parts of the keys needs)."""
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def shared_prefix_attention(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, own_k: torch.Tensor,
+                            own_v: torch.Tensor, own_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Single-query attention of B rows over [a prefix all rows share | each row's own keys].
+
+    q: [B, kv heads, query heads per kv head, dim]; shared: [1, kv heads, P, dim]; own: [B, kv heads, S, dim].
+    The prefix part runs once with all rows' queries stacked (its keys and values read once, not B times),
+    the own part per row; the two softmaxes merge exactly through their log-sum-exps (as cascade attention
+    does on GPUs).
+    """
+    batch, kv_heads, groups, dim = q.shape
+    stacked = q.transpose(0, 1).reshape(1, kv_heads, batch * groups, dim)
+    shared_out, shared_lse = _attention_with_lse(stacked, shared_k, shared_v, None, scaling)
+    shared_out = shared_out.reshape(kv_heads, batch, groups, dim).transpose(0, 1)
+    shared_lse = shared_lse.reshape(kv_heads, batch, groups, 1).transpose(0, 1)
+    own_out, own_lse = _attention_with_lse(q, own_k, own_v, own_mask, scaling)
+    lse = torch.logaddexp(shared_lse, own_lse)
+    return shared_out * torch.exp(shared_lse - lse) + own_out * torch.exp(own_lse - lse)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # LlamaRMSNorm.forward, op for op (the same rounding).
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    # LlamaRMSNorm's formula for fp32 activations (F.rms_norm's CPU kernel is slower at one row).
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def lean_step(model: Any, cache: Any) -> Step:
-    """The decode step of a `LlamaForCausalLM`, as plain tensor ops (see the module docstring)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import create_causal_mask
-
+    """The decode step of a `LlamaForCausalLM`, as fused tensor ops (see the module docstring)."""
     config = model.config
     inner = model.model
     embed = inner.embed_tokens
     rotary = inner.rotary_emb
-    head_dim = inner.layers[0].self_attn.head_dim
-    # Per layer: the weights, read once here; the tensors are the model's own (no copies).
+    attn0 = inner.layers[0].self_attn
+    head_dim, scaling = attn0.head_dim, attn0.scaling
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    groups = n_heads // n_kv
+    q_size, kv_size = n_heads * head_dim, n_kv * head_dim
+    mlp_size = config.intermediate_size
     layers = []
-    for layer, cache_layer in zip(inner.layers, cache.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        layers.append((
-            layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-            attn, _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj),
-            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-            _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn, cache_layer,
-        ))
+    for layer, (qkv, gate_up), cache_layer in zip(inner.layers, _fused_layers(model), cache.layers):
+        layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
+                       _plain(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+                       layer.post_attention_layernorm.variance_epsilon, gate_up, _plain(layer.mlp.down_proj),
+                       cache_layer))
     norm_w, norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-    lm_head = _linear(model.lm_head)
+    lm_head = _plain(model.lm_head)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, embed.weight, embed.padding_idx)
-        causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=mask, cache=cache,
-                                    position_ids=positions)
+        batch = ids.shape[0]
+        x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, 1, hidden]
         cos, sin = rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        batch = x.shape[0]
-        shape = (batch, 1, -1, head_dim)
-        for (in_w, in_eps, attn, q_proj, k_proj, v_proj, o_proj, post_w, post_eps,
-             gate_proj, up_proj, down_proj, act_fn, cache_layer) in layers:
+        # One query sees every cached position: only the pads between prefix and suffix are hidden.
+        attend = None if mask is None else mask.bool()[:, None, None, :]
+        for in_w, in_eps, qkv, o_proj, post_w, post_eps, gate_up, down_proj, cache_layer in layers:
             h = _rms_norm(x, in_w, in_eps)
-            q = q_proj(h).view(shape).transpose(1, 2)
-            k = k_proj(h).view(shape).transpose(1, 2)
-            v = v_proj(h).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            k, v = cache_layer.update(k, v)
-            a, _ = sdpa_attention_forward(attn, q, k, v, causal, dropout=0.0, scaling=attn.scaling)
-            a = a.reshape(batch, 1, -1).contiguous()
-            x = x + o_proj(a)
+            fused = qkv(h)
+            qk = fused[..., : q_size + kv_size].view(batch, 1, n_heads + n_kv, head_dim).transpose(1, 2)
+            half = head_dim // 2
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q = qk[:, :n_heads].reshape(batch, n_kv, groups, head_dim)  # query heads on their kv head
+            k = qk[:, n_heads:]
+            v = fused[..., q_size + kv_size:].view(batch, 1, n_kv, head_dim).transpose(1, 2)
+            k, v = cache_layer.append(k, v)
+            if cache_layer.shared_keys is None:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scaling)
+            else:
+                own_mask = None if attend is None else attend[..., cache_layer.shared_len:]
+                a = shared_prefix_attention(q, cache_layer.shared_keys, cache_layer.shared_values, k, v, own_mask,
+                                            scaling)
+            x = x + o_proj(a.reshape(batch, 1, q_size))
             h = _rms_norm(x, post_w, post_eps)
-            x = x + down_proj(act_fn(gate_proj(h)) * up_proj(h))
+            gate, up = gate_up(h).split(mlp_size, dim=-1)
+            x = x + down_proj(F.silu(gate) * up)
         x = _rms_norm(x, norm_w, norm_eps)
         return lm_head(x[:, -1, :])
 

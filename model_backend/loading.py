@@ -251,16 +251,21 @@ def apply_adapter(loaded: LoadedModel, adapter: str | os.PathLike[str], identiti
 WEIGHTS_ENV = "ENVACE_WEIGHTS"
 WEIGHT_FORMATS = ("fp32", "fp16", "int8")
 """How the linear layers' weights are held for CPU inference (`weights=` of `load_model`):
-`fp32` as converted (the default: exact); `fp16` half the bytes, activations stay fp32 (fbgemm's
-fp16 GEMM); `int8` a quarter, per-channel int8 weights with activations quantized per token at run
-time (fbgemm, torch's dynamic quantization). Both change the numbers slightly: bench/bench_decode.py
-measures their speed and their greedy text against fp32. torch 2.13 warns that its eager quantization
+`fp32` as converted (exact, what training loads); `fp16` half the bytes, activations stay fp32 (fbgemm's
+fp16 GEMM: weight-only, so rows stay independent; the inference default on a CPU); `int8` a quarter,
+per-channel int8 weights with activations quantized per token at run time (fbgemm, torch's dynamic
+quantization). Both change the numbers slightly: bench/bench_decode.py measures their speed and their
+greedy text against fp32. torch 2.13 warns that its eager quantization
 API is deprecated in favour of torchao; torch is pinned, so it stays until an upgrade moves it."""
+INFERENCE_WEIGHTS = "fp16"
+"""What `load_policy` holds a local model's linear weights in on a CPU unless told otherwise: decoding
+reads half the bytes of fp32, and the greedy text and held-out accuracy were measured equal (see
+bench/results/decode.json and the README's speed section)."""
 
 
-def weights_format(weights: str | None = None) -> str:
-    """The argument, else $ENVACE_WEIGHTS, else `fp32`; a user error for anything else."""
-    chosen = (weights or os.environ.get(WEIGHTS_ENV) or "fp32").strip().lower()
+def weights_format(weights: str | None = None, default: str = "fp32") -> str:
+    """The argument, else $ENVACE_WEIGHTS, else `default`; a user error for anything else."""
+    chosen = (weights or os.environ.get(WEIGHTS_ENV) or default).strip().lower()
     if chosen not in WEIGHT_FORMATS:
         raise ModelSpecError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {chosen!r} "
                              f"(argument or ${WEIGHTS_ENV})")

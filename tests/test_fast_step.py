@@ -1,5 +1,6 @@
-"""The lean decode step: bitwise the logits of the model's own forward (fp32, fp16 and int8 weights), the same
-greedy text as plain `generate` (fp16 weights), and the ordinary forward wherever it does not apply."""
+"""The lean decode step: the logits of the model's own forward to float rounding and the same greedy tokens
+(fp32, fp16 and int8 weights), the same greedy text as plain `generate` (fp16 weights), fused weights rebuilt
+when the weights change, and the ordinary forward wherever it does not apply."""
 from __future__ import annotations
 
 from typing import Any
@@ -44,17 +45,47 @@ def decode_logits(model: Any, seqs: list[list[int]], maker: Any, steps: int = 5)
     return torch.stack(out)
 
 
+def assert_same_function(lean: torch.Tensor, forward: torch.Tensor) -> None:
+    """Float rounding apart (fused products sum in another order), the same logits and greedy tokens."""
+    assert (lean - forward).abs().max().item() < 1e-3
+    assert torch.equal(lean.argmax(-1), forward.argmax(-1))
+
+
 @pytest.mark.slow
-def test_lean_step_logits_are_bitwise_the_forwards() -> None:
-    policy = load_policy("embedded")
+def test_lean_step_computes_the_forwards_logits() -> None:
+    policy = load_policy("embedded", weights="fp32")
     model = policy.model
     assert fast_step.lean_supported(model, decoding.new_cache(model.config))
     ids = policy.encode(user("List the files, then count the lines of the largest one."))
     # batch 1 without a mask; batch 3 with suffix padding between a shared prefix and the rows
     for seqs in ([ids], [ids, ids[:-3] + [28, 29, 30, 31], ids[:-6]]):
-        lean = decode_logits(model, seqs, fast_step.lean_step)
-        forward = decode_logits(model, seqs, fast_step.generic_step)
-        assert torch.equal(lean, forward)
+        assert_same_function(decode_logits(model, seqs, fast_step.lean_step),
+                             decode_logits(model, seqs, fast_step.generic_step))
+
+
+def test_fused_weights_follow_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The concatenated q/k/v and gate/up weights are built once per set of weights, and rebuilt when a
+    weight is written in place (a merge, an optimizer step): a stale copy would decode the old model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    assert fast_step.lean_supported(model, decoding.new_cache(model.config))
+    built = []
+    real = fast_step.fused_linear
+    monkeypatch.setattr(fast_step, "fused_linear", lambda ms: built.append(len(ms)) or real(ms))
+    seqs = [[1, 5, 9, 3, 7]]
+    first = decode_logits(model, seqs, fast_step.lean_step, steps=2)
+    decode_logits(model, seqs, fast_step.lean_step, steps=2)
+    assert len(built) == 2 * config.num_hidden_layers  # once for both runs: qkv and gate_up per layer
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(3.0)
+    changed = decode_logits(model, seqs, fast_step.lean_step, steps=2)
+    assert len(built) == 4 * config.num_hidden_layers
+    assert not torch.allclose(first, changed)
+    assert_same_function(changed, decode_logits(model, seqs, fast_step.generic_step, steps=2))
 
 
 @pytest.mark.slow
@@ -69,17 +100,58 @@ def test_hooks_fall_back_to_the_forward() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["fp16", "int8"])
-def test_quantized_weights_lean_step_and_text(weights: str) -> None:
+def test_quantized_weights_lean_step_and_text(weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
     policy = load_policy("embedded", weights=weights)
     assert policy.loaded.weights == weights
+    monkeypatch.delenv("ENVACE_WEIGHTS", raising=False)
+    assert (load_policy("embedded") is policy) == (weights == "fp16")  # fp16 is the CPU inference default
     model = policy.model
     assert fast_step.lean_supported(model, decoding.new_cache(model.config))
     prompts = [user("ls()", prefill="<execution_result>"), user("pwd() after cd(folder='documents')")]
     ids = [policy.encode(p) for p in prompts]
-    assert torch.equal(decode_logits(model, ids, fast_step.lean_step), decode_logits(model, ids, fast_step.generic_step))
+    assert_same_function(decode_logits(model, ids, fast_step.lean_step), decode_logits(model, ids, fast_step.generic_step))
     if weights == "fp16":
         # Weight-only: rows stay independent, so a batch decodes as each row alone, and as plain generate.
         # (int8 quantizes the activations with one scale per call over all rows and positions: its text
         # depends on the batch and on how the prompt is split into calls, so it is not asserted.)
         config = GenerationConfig(max_new_tokens=12)
         assert [g.text for g in policy.rehearse(prompts, config)] == [policy.reference_generate(p, 12) for p in prompts]
+
+
+def test_shared_prefix_attention_is_attention_over_both_parts() -> None:
+    """The prefix read once for all rows, merged with each row's own (padded) keys, is plain attention over
+    [prefix | own]."""
+    torch.manual_seed(0)
+    batch, kv_heads, groups, dim, shared, own = 3, 2, 3, 16, 11, 5
+    q = torch.randn(batch, kv_heads, groups, dim)
+    shared_k, shared_v = torch.randn(1, kv_heads, shared, dim), torch.randn(1, kv_heads, shared, dim)
+    own_k, own_v = torch.randn(batch, kv_heads, own, dim), torch.randn(batch, kv_heads, own, dim)
+    own_mask = torch.ones(batch, 1, 1, own, dtype=torch.bool)
+    own_mask[1, ..., :2] = False  # row 1's suffix is shorter: two pads after the prefix
+    out = fast_step.shared_prefix_attention(q, shared_k, shared_v, own_k, own_v, own_mask, 0.25)
+    keys = torch.cat([shared_k.expand(batch, -1, -1, -1), own_k], dim=-2)
+    values = torch.cat([shared_v.expand(batch, -1, -1, -1), own_v], dim=-2)
+    mask = torch.cat([torch.ones(batch, 1, 1, shared, dtype=torch.bool), own_mask], dim=-1)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=0.25)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_rows_keep_one_copy_of_their_shared_prefix() -> None:
+    """K rows of one prompt: the prefix's keys stay at batch 1 in the cache, and K greedy rows decode what one
+    row decodes alone (lean step with shared-prefix attention, against the forward)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    prompt = [1, 5, 9, 3, 7, 11, 2, 8]
+    with torch.inference_mode():
+        pre = decoding.prefill(model, [prompt] * 4, [1] * 4, keep=1, pad_id=0)
+    layer = pre.cache.layers[0]
+    assert layer.shared_keys is not None and layer.shared_keys.shape[0] == 1
+    assert layer.shared_len == len(prompt) - 1 and pre.cache.get_seq_length() == len(prompt)
+    together = decode_logits(model, [prompt] * 4, fast_step.lean_step, steps=4)
+    alone = decode_logits(model, [prompt], fast_step.generic_step, steps=4)
+    for row in range(4):
+        assert_same_function(together[:, row : row + 1], alone)
