@@ -186,37 +186,10 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def greedy_agreement(variants: dict[str, Any], limit: int, new_tokens: int) -> dict[str, Any]:
-    """Greedy text of quantized variants against fp32 on held-out prompts: Act and Rehearse prompts of
-    expert replays of the first held-out BFCL tasks (never trained on), free decoding, the shipped adapter."""
-    from app import envs
-    from app.training_data import PromptContext, expert_rows
-
-    reference = variants["fp32"]
-    rows, _ = expert_rows(envs.list_tasks("multi_turn_base", "heldout")[:4],
-                          PromptContext(reference.count_tokens, reference.context_window))
-    act = [r for r in rows if r.role == "act"][: limit // 2]
-    rehearse = [r for r in rows if r.role == "rehearse"][: limit - len(act)]
-    sample = act + rehearse
-    config = GenerationConfig(max_new_tokens=new_tokens)
-    texts = {}
-    for name, policy in variants.items():
-        texts[name] = [policy.rehearse([r.prompt], config)[0].text for r in sample]
-    out: dict[str, Any] = {"prompts": len(sample), "act": len(act), "rehearse": len(rehearse),
-                           "new_tokens": new_tokens}
-    for name in variants:
-        same = [a == b for a, b in zip(texts[name], texts["fp32"])]
-        exact = [t.strip() == (r.prompt.prefill + r.target).strip() for t, r in zip(texts[name], sample)]
-        out[name] = {"same_text_as_fp32": sum(same), "equals_expert_target": sum(exact)}
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
     parser.add_argument("--skip-cold", action="store_true", help="skip the cold-start conversion (~30 s)")
-    parser.add_argument("--agreement", type=int, default=16,
-                        help="held-out prompts for the greedy-text agreement of fp16/int8 weights (0: skip)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (default: torch's own); 1 is steadier when other jobs share the cores")
     args = parser.parse_args()
@@ -229,15 +202,15 @@ def main() -> None:
                     "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
     }
 
-    policy = load_policy("embedded")
+    policy = load_policy("embedded", weights="fp32")
     messages = realistic_prompt_messages(1000, policy.count_tokens)
     prompt = Prompt(messages)
     ids = policy.encode(prompt)
     results["prompt_tokens"] = len(ids)
     print(f"prompt: {len(ids)} tokens")
 
-    # (a) decode speed. Batch 1: the lean step (fp32: bitwise the forward's logits), the previous path through
-    # model(...), and fp16/int8 linear weights (ENVACE_WEIGHTS), interleaved.
+    # (a) decode speed. Batch 1: the lean step, the previous path through model(...), and fp16 (the CPU
+    # default) and int8 linear weights (ENVACE_WEIGHTS), interleaved; batch 4 of one prompt (K candidates).
     quantized = {w: load_policy("embedded", weights=w) for w in ("fp16", "int8")}
     batch1 = loop_rates({"fp32": policy, "fp32:generic": policy, **quantized}, ids, new_tokens, repeats + 1)
     speed = {
@@ -246,6 +219,8 @@ def main() -> None:
         "ours_batch1_fp16_tok_s": batch1["fp16"],
         "ours_batch1_int8_tok_s": batch1["int8"],
         "ours_batch4_tok_s": decode_rate(policy.model, our_loop(policy, ids, 4), 4, new_tokens, repeats),
+        "ours_batch4_fp16_tok_s": decode_rate(quantized["fp16"].model, our_loop(quantized["fp16"], ids, 4), 4,
+                                              new_tokens, repeats),
         "hf_generate_batch1_tok_s": decode_rate(policy.model, hf_generate(policy.model, ids), 1, new_tokens, repeats),
     }
     # bf16 halves the bytes each step reads; this CPU has AVX512-BF16. Informational: the CPU default
@@ -258,7 +233,7 @@ def main() -> None:
     print(f"(a) decode at {len(ids)} tokens of context: ours batch 1 {speed['ours_batch1_tok_s']:.1f} tok/s "
           f"(through model(...): {speed['ours_batch1_generic_tok_s']:.1f}; fp16 weights "
           f"{speed['ours_batch1_fp16_tok_s']:.1f}, int8 {speed['ours_batch1_int8_tok_s']:.1f}), "
-          f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total; generate batch 1 "
+          f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total (fp16 {speed['ours_batch4_fp16_tok_s']:.1f}); generate batch 1 "
           f"{speed['hf_generate_batch1_tok_s']:.1f} tok/s; ours bf16 batch 1 {speed['ours_batch1_bf16_tok_s']:.1f} tok/s")
 
     # (b) the memory-bandwidth bound at batch 1
@@ -306,16 +281,7 @@ def main() -> None:
     elif RESULTS.exists() and "startup" in json.loads(RESULTS.read_text()):
         results["startup"] = {**json.loads(RESULTS.read_text())["startup"], "from_an_earlier_run": True}
 
-    # (e) what fp16/int8 weights change: greedy text against fp32 on held-out prompts (the shipped adapter)
-    if args.agreement:
-        from app.config import SHIPPED_ADAPTER
-
-        variants = {w: load_policy("embedded", adapter=SHIPPED_ADAPTER, weights=w) for w in ("fp32", "fp16", "int8")}
-        results["quantized_agreement"] = agree = greedy_agreement(variants, args.agreement, new_tokens)
-        print(f"(e) greedy text on {agree['prompts']} held-out prompts ({agree['act']} Act, {agree['rehearse']} "
-              f"Rehearse, {new_tokens} tokens), same as fp32: " + ", ".join(
-                  f"{w} {agree[w]['same_text_as_fp32']}" for w in ("fp16", "int8")) + "; equal to the expert's: "
-              + ", ".join(f"{w} {agree[w]['equals_expert_target']}" for w in ("fp32", "fp16", "int8")))
+    # (e) what fp16/int8 weights change on held-out work: bench/bench_weights.py
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

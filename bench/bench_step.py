@@ -111,7 +111,8 @@ def main() -> None:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
         print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']} (goal <= 1.3); K=4 p50 {rows['4']['p50_s']} s (goal <= 4)")
     figure(rows)
-    write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "mode": "parallel", "selector": "logprob",
+    write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
+                                   "mode": "parallel", "selector": "logprob",
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})
 
 

@@ -109,7 +109,11 @@ def test_quantized_weights_lean_step_and_text(weights: str, monkeypatch: pytest.
     assert fast_step.lean_supported(model, decoding.new_cache(model.config))
     prompts = [user("ls()", prefill="<execution_result>"), user("pwd() after cd(folder='documents')")]
     ids = [policy.encode(p) for p in prompts]
-    assert_same_function(decode_logits(model, ids, fast_step.lean_step), decode_logits(model, ids, fast_step.generic_step))
+    # int8 quantizes the activations with one scale per call: a rounding difference in one step moves the
+    # next step's scale, so only one step is compared there; fp16 is weight-only and stays close throughout.
+    steps = 5 if weights == "fp16" else 1
+    assert_same_function(decode_logits(model, ids, fast_step.lean_step, steps),
+                         decode_logits(model, ids, fast_step.generic_step, steps))
     if weights == "fp16":
         # Weight-only: rows stay independent, so a batch decodes as each row alone, and as plain generate.
         # (int8 quantizes the activations with one scale per call over all rows and positions: its text
