@@ -28,9 +28,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from model_backend import load_model
+    from model_backend.loading import INFERENCE_WEIGHTS
     from model_backend.policy import TransformersPolicy
 
-    loaded = load_model("embedded", adapter=SHIPPED_ADAPTER, merge_adapter=True)
+    # As load_policy loads it for the product (merged, the CPU's default weights), twice wrapped.
+    loaded = load_model("embedded", adapter=SHIPPED_ADAPTER, merge_adapter=True, weights=INFERENCE_WEIGHTS)
     cached, plain = TransformersPolicy(loaded), TransformersPolicy(loaded, prefix_cache_bytes=0)
     settings = RunSettings(mode="parallel", branches=args.k, selector="logprob", seed=0, shadow=True)
     by_step: dict[int, list[tuple[float, float]]] = {}
@@ -65,7 +67,7 @@ def main() -> None:
     print(f"steps >= 3: {late_speedup and round(late_speedup, 2)}x (goal >= 2); same decisions: {same}; "
           f"prompt tokens reused {stats.reused_tokens}, computed {stats.computed_tokens}")
     write_results("prefix_cache", {
-        "adapter": str(SHIPPED_ADAPTER.name), "k": args.k, "tasks": task_ids, "by_step": rows,
+        "adapter": str(SHIPPED_ADAPTER.name), "weights": INFERENCE_WEIGHTS, "k": args.k, "tasks": task_ids, "by_step": rows,
         "speedup_step3_on": late_speedup and round(late_speedup, 2), "same_decisions": same,
         "reused_tokens": stats.reused_tokens, "computed_tokens": stats.computed_tokens})
 

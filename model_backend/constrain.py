@@ -96,6 +96,16 @@ class RowMatcher:
         """Advance by one token; False when the grammar rejects it (the row then stops)."""
         return bool(self._matcher.consume_token(token))
 
+    def forced(self, limit: int) -> list[int]:
+        """Consume and return the tokens the grammar forces from here (at most `limit`): the only way on, so
+        the model need not choose them one decode step at a time (jump-forward decoding)."""
+        taken: list[int] = []
+        for token in self._matcher.compute_ff_tokens()[:limit]:
+            if not self.consume(token):
+                break
+            taken.append(token)
+        return taken
+
     @property
     def accepting(self) -> bool:
         """The text so far is a complete sentence of the grammar."""

@@ -240,3 +240,41 @@ def test_settings_stored_before_constrain_existed_read_as_unconstrained() -> Non
     assert RunSettings().constrain is True and RunSettings.from_stored(RunSettings().model_dump()).constrain
     ep = Episode.model_validate({"id": "e", "task_id": "mock:kv", "model": "m", "settings": old})
     assert ep.settings.constrain is False
+
+
+@pytest.mark.slow
+def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens the grammar forces are fed in one forward instead of one decode step each: the same greedy
+    text (batched, rows of different prompts), one log-probability per token as the model gives it, and
+    fewer decode steps."""
+    from model_backend import decoding
+    from model_backend.decoding import Row, generate
+
+    steps = {"n": 0}
+    real_step = decoding.decode_step
+
+    def counting(model: Any, cache: Any) -> Any:
+        step = real_step(model, cache)
+
+        def counted(*args: Any) -> Any:
+            steps["n"] += 1
+            return step(*args)
+
+        return counted
+
+    monkeypatch.setattr(decoding, "decode_step", counting)
+    prompts = [p for _, p in first_prompts(policy, 3)]
+    rows = lambda: [Row(policy.encode(p), stop=ACT_STOP, matcher=policy._matcher(p)) for p in prompts]  # noqa: E731
+    outs, counts = {}, {}
+    for jump in (False, True):
+        steps["n"] = 0
+        outs[jump] = generate(policy.model, policy.tokenizer, rows(), 64, policy.eos_ids, policy.pad_id,
+                              jump_forward=jump)
+        counts[jump] = steps["n"]
+    assert [o.text for o in outs[True]] == [o.text for o in outs[False]]
+    assert all(o.text.endswith("</tool_call>") for o in outs[True]), [o.text for o in outs[True]]
+    for fast, slow in zip(outs[True], outs[False]):
+        assert len(fast.token_logprobs) == len(fast.token_ids)  # ended by the stop string, not EOS
+        if fast.token_ids == slow.token_ids:  # the same tokens: the same log-probabilities, to rounding
+            assert fast.token_logprobs == pytest.approx(slow.token_logprobs, abs=1e-3)
+    assert counts[True] < counts[False] / 1.5, counts
