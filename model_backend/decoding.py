@@ -186,7 +186,7 @@ def prefill(
         reused = prefix_cache.restore(prefix_ids, cache) if prefix_cache is not None else 0
         prefix = torch.tensor([prefix_ids[reused:]], device=device)
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-        if prefix_cache is not None:
+        if prefix_cache is not None and prefix_cache.covered(prefix_ids) < len(prefix_ids):
             prefix_cache.store(prefix_ids, cache)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
@@ -212,8 +212,30 @@ def prefill(
         use_cache=True,
         logits_to_keep=keep,
     )
+    if prefix_cache is not None and batch > 1:
+        _store_rows(prefix_cache, seqs, prefix_len, width, cache)
     next_positions = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
     return Prefilled(cache, out.logits, mask.to(device), next_positions, has_padding, prefix_len)
+
+
+def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], prefix_len: int, width: int,
+                cache: DynamicCache) -> None:
+    """Keep each row's whole prompt (shared prefix + its own suffix) where the suffix is long enough to be
+    worth it: K Rehearse prompts differ after the history, and scoring the real responses under them
+    next (surprise) then restores each prompt instead of encoding its suffix again."""
+    for i, seq in enumerate(seqs):
+        own = len(seq) - prefix_len
+        if own < prefix_cache.min_tokens or prefix_cache.covered(seq) >= len(seq):
+            continue
+        keys, values = [], []
+        for layer in cache.layers:
+            if type(layer) is not _GrowingLayer or layer.shared_keys is None or layer.shared_values is None:
+                return
+            own_k, own_v = layer._k, layer._v  # [B, heads, capacity, dim]: row i's suffix ends at `width`
+            assert own_k is not None and own_v is not None
+            keys.append(torch.cat([layer.shared_keys, own_k[i : i + 1, :, width - own : width]], dim=-2))
+            values.append(torch.cat([layer.shared_values, own_v[i : i + 1, :, width - own : width]], dim=-2))
+        prefix_cache.store_tensors(list(seq), keys, values)
 
 
 def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -390,8 +412,16 @@ def score(
     vocabulary-size floats per position (49,152 for SmolLM2: 1,024 positions are 200 MB).
     """
     results: list[list[float]] = [[] for _ in prompts]
+    rows = [i for i, c in enumerate(continuations) if c]
+    if prefix_cache is not None and len(rows) > 1 and all(prefix_cache.covered(prompts[i]) >= len(prompts[i])
+                                                          for i in rows):
+        # Every prompt's keys are stored (K Rehearse prompts, kept by their own decoding): one row at a
+        # time restores its whole prompt and encodes only its continuation.
+        for i in rows:
+            _score_chunk(model, prompts, continuations, [i], pad_id, results, prefix_cache)
+        return results
     chunk: list[int] = []
-    for i in [i for i, c in enumerate(continuations) if c]:
+    for i in rows:
         if chunk and (len(chunk) + 1) * (max(len(continuations[j]) for j in chunk + [i]) + 1) > max_positions:
             _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache)
             chunk = []

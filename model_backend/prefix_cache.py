@@ -97,13 +97,24 @@ class PrefixCache:
             self.stats.computed_tokens += len(ids) - best_len
             return best_len
 
+    def covered(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` a stored entry holds (a lookup that changes nothing)."""
+        with self._lock:
+            return max((_common_len(entry.ids, ids) for entry in self._entries.values()), default=0)
+
     def store(self, ids: Sequence[int], cache: Any) -> None:
         """Keep a copy of the first `len(ids)` positions of `cache` (batch 1) under `ids`."""
         n = len(ids)
         if n < self.min_tokens:
             return
-        keys = [layer.keys[..., :n, :].clone() for layer in cache.layers]
-        values = [layer.values[..., :n, :].clone() for layer in cache.layers]
+        self.store_tensors(ids, [layer.keys[..., :n, :].clone() for layer in cache.layers],
+                           [layer.values[..., :n, :].clone() for layer in cache.layers])
+
+    def store_tensors(self, ids: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Keep per-layer keys and values ([1, heads, len(ids), dim], owned by the cache from now on) under `ids`."""
+        n = len(ids)
+        if n < self.min_tokens:
+            return
         nbytes = sum(t.numel() * t.element_size() for t in keys + values)
         if nbytes > self.max_bytes:
             return

@@ -104,3 +104,37 @@ def test_held_out_episodes_are_the_same_with_and_without_the_cache() -> None:
         assert texts == [[(b.action_text, b.predicted_text) for b in s.branches] for s in without.steps]
         assert len(with_cache.steps) >= 2
     assert reused > 0
+
+
+def test_rehearse_rows_are_kept_and_scoring_restores_each_prompt(policy: Any) -> None:
+    """K Rehearse prompts share the history and differ after it: their decoding keeps each whole prompt, so
+    scoring real responses under them (surprise) restores each prompt instead of encoding its suffix
+    again, with the same log-probabilities as without the cache."""
+    cache = policy.prefix_cache
+    assert cache is not None
+    cache.clear()
+    history = "Calls so far and their real results:\n" + "\n".join(
+        f'cd(folder="dir{i}") -> {{"current_working_directory": "dir{i}"}}' for i in range(12))
+    tools = ["ls(a: bool = False): List the contents of the current directory, hidden files too when asked.",
+             "pwd(): Return the current working directory path, from the root of the file system.",
+             "du(human_readable: bool = False): Estimate the disk usage of the current directory in bytes."]
+    prompts = [Prompt([{"role": "system", "content": "You simulate a file system API. Reply with JSON only."},
+                       {"role": "user", "content": f"{history}\n\nTool: {tool}\nCall: {tool.split(':')[0]}"}],
+                      prefill="<execution_result>") for tool in tools]
+    policy.rehearse(prompts, GenerationConfig(max_new_tokens=4))
+    ids = [policy.encode(p) for p in prompts]
+    assert all(cache.covered(i) == len(i) for i in ids)
+    responses = ['{"current_directory_content": ["a.txt"]}</execution_result>',
+                 '{"current_working_directory": "/dir11"}</execution_result>',
+                 '{"disk_usage": "2048 bytes"}</execution_result>']
+    hits, reused = cache.stats.hits, cache.stats.reused_tokens
+    with_cache = policy.score(prompts, responses)
+    assert cache.stats.hits - hits == len(prompts)  # one restore per prompt, each of nearly all of it
+    assert cache.stats.reused_tokens - reused >= sum(len(i) for i in ids) - 2 * len(ids)
+    policy.prefix_cache = None
+    try:
+        without = policy.score(prompts, responses)
+    finally:
+        policy.prefix_cache = cache
+    for a, b in zip(with_cache, without):
+        assert a == pytest.approx(b, abs=1e-3)
