@@ -372,7 +372,7 @@ def generate(
                 if padded:  # without pads the mask is all ones: skip it (and its per-step cost)
                     mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)], dim=1)
                 feed = torch.tensor([f[0] for f in feeds], device=positions.device)
-                logits = next_logits(feed[:, None], mask if padded else None, positions[:, None])
+                logits = next_logits(feed[:, None], mask if padded else None, positions[:, None])[:, -1, :]
                 positions = positions + 1
                 continue
             ids, chunk_mask, chunk_positions, lengths = _chunk(feeds, positions, pad_id)
@@ -380,9 +380,8 @@ def generate(
                 mask = torch.ones((batch, cache.get_seq_length()), dtype=mask.dtype, device=mask.device)
             mask = torch.cat([mask, chunk_mask.to(mask.device)], dim=1)
             padded = padded or bool((chunk_mask == 0).any())
-            chunk = model(input_ids=ids.to(positions.device), attention_mask=mask if padded else None,
-                          position_ids=chunk_positions.to(positions.device), cache=cache, use_cache=True,
-                          logits_to_keep=ids.shape[1]).logits
+            chunk = next_logits(ids.to(positions.device), mask if padded else None,
+                                chunk_positions.to(positions.device))
             width = ids.shape[1]
             for i, feed in enumerate(feeds):
                 if len(feed) > 1:  # the forced tokens' log-probabilities, each from the position before it

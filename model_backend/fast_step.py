@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 Step = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
-"""(input ids [B, 1], attention mask [B, cache length + 1] or None, position ids [B, 1]) -> logits [B, V]."""
+"""(input ids [B, W], attention mask [B, cache length + W] or None, position ids [B, W]) -> logits [B, W, V].
+W is 1 for a decode step, more where a grammar forces tokens (jump-forward)."""
 
 
 def generic_step(model: Any, cache: Any) -> Step:
@@ -40,8 +41,8 @@ def generic_step(model: Any, cache: Any) -> Step:
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    logits_to_keep=1)
-        return out.logits[:, -1, :]
+                    logits_to_keep=ids.shape[1])
+        return out.logits
 
     return step
 
@@ -211,33 +212,46 @@ def lean_step(model: Any, cache: Any) -> Step:
     lm_head = _plain(model.lm_head)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        batch = ids.shape[0]
-        x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, 1, hidden]
+        batch, width = ids.shape
+        x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
         cos, sin = rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        # One query sees every cached position: only the pads between prefix and suffix are hidden.
-        attend = None if mask is None else mask.bool()[:, None, None, :]
+        own_mask: torch.Tensor | None = None
         for in_w, in_eps, qkv, o_proj, post_w, post_eps, gate_up, down_proj, cache_layer in layers:
             h = _rms_norm(x, in_w, in_eps)
             fused = qkv(h)
-            qk = fused[..., : q_size + kv_size].view(batch, 1, n_heads + n_kv, head_dim).transpose(1, 2)
+            qk = fused[..., : q_size + kv_size].view(batch, width, n_heads + n_kv, head_dim).transpose(1, 2)
             half = head_dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            q = qk[:, :n_heads].reshape(batch, n_kv, groups, head_dim)  # query heads on their kv head
+            # Query heads packed onto their key/value head: [B, kv heads, groups * W, dim].
+            q = qk[:, :n_heads].reshape(batch, n_kv, groups * width, head_dim)
             k = qk[:, n_heads:]
-            v = fused[..., q_size + kv_size:].view(batch, 1, n_kv, head_dim).transpose(1, 2)
+            v = fused[..., q_size + kv_size:].view(batch, width, n_kv, head_dim).transpose(1, 2)
             k, v = cache_layer.append(k, v)
+            if own_mask is None and (mask is not None or width > 1):  # the same for every layer
+                own_mask = _own_mask(mask, cache_layer.shared_len, k.shape[-2], width, groups)
             if cache_layer.shared_keys is None:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scaling)
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=own_mask, scale=scaling)
             else:
-                own_mask = None if attend is None else attend[..., cache_layer.shared_len:]
                 a = shared_prefix_attention(q, cache_layer.shared_keys, cache_layer.shared_values, k, v, own_mask,
                                             scaling)
-            x = x + o_proj(a.reshape(batch, 1, q_size))
+            a = a.reshape(batch, n_heads, width, head_dim).transpose(1, 2).reshape(batch, width, q_size)
+            x = x + o_proj(a)
             h = _rms_norm(x, post_w, post_eps)
             gate, up = gate_up(h).split(mlp_size, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
         x = _rms_norm(x, norm_w, norm_eps)
-        return lm_head(x[:, -1, :])
+        return lm_head(x)
 
     return step
+
+
+def _own_mask(mask: torch.Tensor | None, shared: int, own: int, width: int, groups: int) -> torch.Tensor:
+    """[B or 1, 1, groups * W, own]: which of a row's own cached positions each of the W new queries sees:
+    not the pads (`mask`, [B, shared + own]), and causally only up to itself (the last W are the new ones)."""
+    seen = torch.ones((1, 1, 1, own), dtype=torch.bool) if mask is None else mask[:, shared:].bool()[:, None, None, :]
+    if width == 1:
+        return seen
+    last = torch.arange(own - width, own, device=seen.device)[:, None]  # each new query's own position
+    causal = torch.arange(own, device=seen.device)[None, :] <= last  # [W, own]
+    return seen & causal.repeat(groups, 1)[None, None]  # rows in (group, position) order, as q is packed

@@ -38,7 +38,7 @@ def decode_logits(model: Any, seqs: list[list[int]], maker: Any, steps: int = 5)
         for _ in range(steps):
             if pre.has_padding:
                 mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
-            logits = step(tokens[:, None], mask if pre.has_padding else None, positions[:, None])
+            logits = step(tokens[:, None], mask if pre.has_padding else None, positions[:, None])[:, -1]
             positions = positions + 1
             out.append(logits.clone())
             tokens = logits.argmax(-1)
@@ -159,3 +159,33 @@ def test_rows_keep_one_copy_of_their_shared_prefix() -> None:
     alone = decode_logits(model, [prompt], fast_step.generic_step, steps=4)
     for row in range(4):
         assert_same_function(together[:, row : row + 1], alone)
+
+
+def test_a_chunk_of_tokens_through_the_lean_step_is_the_forwards() -> None:
+    """Jump-forward feeds several tokens per row in one step (left-padded to the longest): the lean step's
+    logits at every real position, and the next single step's, are the forward's, with a shared prefix, pads
+    between prefix and suffix, and pads inside the chunk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(config).eval()
+    seqs = [[1, 5, 9, 3, 7, 11], [1, 5, 9, 3, 4], [1, 5, 9, 3, 8, 12, 13]]
+    feeds = [[20, 21, 22], [23], [24, 25]]
+    results = []
+    for maker in (fast_step.lean_step, fast_step.generic_step):
+        with torch.inference_mode():
+            pre = decoding.prefill(model, seqs, [1] * 3, keep=1, pad_id=0)
+            step = maker(model, pre.cache)
+            ids, chunk_mask, positions, lengths = decoding._chunk(feeds, pre.next_positions, 0)
+            mask = torch.cat([pre.attention_mask, chunk_mask], dim=1)
+            chunk = step(ids, mask, positions)
+            mask = torch.cat([mask, torch.ones((3, 1), dtype=mask.dtype)], dim=1)
+            after = step(torch.tensor([[30], [31], [32]]), mask, (pre.next_positions + lengths)[:, None])
+        real = [chunk[i, 3 - len(f):] for i, f in enumerate(feeds)]
+        results.append((real, after))
+    (lean_chunk, lean_after), (forward_chunk, forward_after) = results
+    for a, b in zip(lean_chunk, forward_chunk):
+        assert_same_function(a, b)
+    assert_same_function(lean_after, forward_after)
