@@ -8,9 +8,9 @@ overhead costs about as much as reading the weights. This step computes the same
 - the q, k and v projections as one matrix product, and gate and up as another (their weights
   concatenated once per set of weights, cached on the model and rebuilt when a weight changes);
 - RMSNorm in four ops, rotary embedding applied to q and k together;
-- single-query attention called directly: grouped query heads packed onto their key/value heads
-  (no `repeat_kv`), and the padding mask built from the 2-D mask (no causal mask: one query sees
-  every cached position);
+- attention called directly: grouped query heads packed onto their key/value heads (no `repeat_kv`),
+  and the mask built from the 2-D padding mask (a causal part only when a row feeds several tokens,
+  as jump-forward decoding does; one query sees every cached position);
 - keys and values written straight into the decoding cache's buffers; where the rows of a batch share
   a prompt prefix (K candidates of one Act prompt, K Rehearse prompts of one history), attention reads
   the prefix's keys and values once for all rows (`shared_prefix_attention`), not once per row.
