@@ -20,7 +20,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from common import ROOT, write_results
 

@@ -15,7 +15,7 @@ from app import envs
 from app.config import SHIPPED_ADAPTER
 from app.envs.base import Tool
 from app.formats import (ACT_MAX_STRING, ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_constraint, act_prompt,
-                         call_schema, call_text, grammar_schema, parse_action, parse_result, rehearse_constraint,
+                         call_text, grammar_schema, parse_action, parse_result, rehearse_constraint,
                          rehearse_prompt, rehearse_target)
 from app.records import Call
 from app.training.rows import expert_episode
