@@ -359,7 +359,8 @@ def generate(
                     done[i] = True  # cannot happen with a sound mask; stop rather than write garbage
                     continue
                 feeds[i] = [tok]
-                if jump_forward and matcher is not None:
+                if jump_forward and matcher is not None and rows[i].temperature == 0:  # greedy rows only: sampled
+                    # candidates that skip their forced tokens came out identical more often (fewer distinct branches)
                     feeds[i] += _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
                 if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i]):
                     done[i] = out.finished = True
