@@ -14,6 +14,7 @@ Mode = Literal["none", "parallel", "sequential"]
 Selector = Literal["judge", "logprob", "memory", "oracle"]
 """`oracle` is evaluation-only (the real best-of-K baseline, app/engine/oracle.py): not in SELECTORS."""
 RehearsalContext = Literal["history", "history+state"]
+ToolChoice = Literal["auto", "first", "required"]
 ActualSource = Literal["committed", "shadow"]
 ActionKind = Literal["call", "answer", "parse_error"]
 Label = Literal["match", "minor", "major", "hallucinated_state", "wrong_format"]
@@ -22,6 +23,7 @@ LABELS: tuple[str, ...] = get_args(Label)
 MODES: tuple[str, ...] = ("none", "parallel", "sequential")
 SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
 REHEARSAL_CONTEXTS: tuple[str, ...] = ("history", "history+state")
+TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 
 
 def utcnow() -> str:
@@ -132,8 +134,10 @@ class RunSettings(BaseModel):
     """Shadow-execute non-chosen calls on forks (inspection only; only read-only calls where the
     environment cannot fork)."""
     rehearsal_context: RehearsalContext = "history"
-    tool_choice: Literal["auto", "required"] = "auto"
-    """`required` prefills `<tool_call>` so every step calls a tool (as OpenAI's tool_choice)."""
+    tool_choice: ToolChoice = "auto"
+    """`required` prefills `<tool_call>` so every step calls a tool (as OpenAI's tool_choice); `first` does
+    so on the first step after each user message (a request gets at least one call), later steps may
+    answer; `auto` lets every step answer in plain text."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""

@@ -194,6 +194,15 @@ def test_tool_choice_required_prefills_the_call_tag():
     assert policy.act_calls[0][0].prefill == "<tool_call>" and step.kind == "call"
 
 
+def test_tool_choice_first_prefills_only_the_first_step_of_each_turn():
+    r, policy = runner([['{"name": "list_keys", "arguments": {}}</tool_call>'], ["Done."],
+                        ['{"name": "get", "arguments": {"key": "size"}}</tool_call>']],
+                       settings=RunSettings(mode="none", branches=1, tool_choice="first"))
+    steps = [r.step() for _ in range(3)]
+    assert [p[0].prefill for p in policy.act_calls] == ["<tool_call>", "", "<tool_call>"]
+    assert [(s.turn, s.kind) for s in steps] == [(0, "call"), (0, "answer"), (1, "call")]
+
+
 def test_same_seed_same_episode():
     def run_once():
         r, _ = runner([[call("set", key="color", value="blue"), call("list_keys")], ["Done."],

@@ -291,7 +291,7 @@ def test_the_run_tab_sends_a_typed_user_message(tmp_path) -> None:
         form = dict(source=C.SOURCE_TASK, task=CANCEL_TASK, instruction="", instruction_env="GorillaFileSystem",
                     model="scripted", adapter=C.NO_ADAPTER, mode="none", branches=1, selector=d["selector"],
                     temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
-                    rehearsal_context=d["rehearsal_context"], tool_required=False, constrain=d["constrain"],
+                    rehearsal_context=d["rehearsal_context"], tool_choice="auto", constrain=d["constrain"],
                     max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
         typed = "Please cancel my order, I ordered it by mistake."
         message, _, chat, *_, text = client.predict(typed, **form, api_name="/say_as_user")

@@ -134,3 +134,12 @@ def test_after_continue_another_task_in_the_form_starts_a_new_episode(tmp_path: 
     session.ensure_runner(services, other)
     assert session.episode.id != cut.episode.id and session.episode.task_id == "bfcl:multi_turn_base_0"
     assert services.store.get_episode(cut.episode.id).status == "stopped"  # the continued one is saved, not lost
+
+
+@pytest.mark.parametrize("tool_choice", C.TOOL_CHOICES)
+def test_the_run_form_keeps_the_tool_choice(tool_choice: str) -> None:
+    from app.service.catalog import RunRequest
+    request = RunRequest(task_id=envs.MOCK_TASK_ID, settings=RunSettings(mode="none", branches=1, tool_choice=tool_choice))
+    form = {**form_from_request(request), "instruction": "", "instruction_env": ""}
+    assert form["tool_choice"] == tool_choice
+    assert request_from_form(form).settings.tool_choice == tool_choice

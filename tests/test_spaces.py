@@ -57,7 +57,7 @@ def test_fresh_venv_with_requirements_txt_serves_the_run_tab(tmp_path):
         message, status, chat, timeline, cards, state = client.predict(
             source=C.SOURCE_TASK, task=C.DEFAULT_TASK, instruction="", instruction_env="GorillaFileSystem",
             model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode="parallel", branches=2, selector="logprob",
-            temperature=d["temperature"], seed=0, shadow=True, rehearsal_context="history", tool_required=True,
+            temperature=d["temperature"], seed=0, shadow=True, rehearsal_context="history", tool_choice="required",
             max_action_tokens=32, max_rehearsal_tokens=32, api_name="/step")
         assert "ea-msg-error" not in message, message
         assert cards.count("data-branch=") >= 1 and "Predicted" in cards and "ea-committed" in cards

@@ -55,6 +55,7 @@ def ctx_for(policy) -> PromptContext:
 
 @pytest.mark.parametrize("settings", [RunSettings(mode="parallel", branches=2, selector="logprob"),
                                       RunSettings(mode="none", branches=1, tool_choice="required"),
+                                      RunSettings(mode="none", branches=1, tool_choice="first"),
                                       RunSettings(mode="parallel", branches=2, selector="logprob",
                                                   rehearsal_context="history+state")])
 def test_replayed_prompts_equal_the_engine_prompts(settings: RunSettings) -> None:
@@ -67,8 +68,12 @@ def test_replayed_prompts_equal_the_engine_prompts(settings: RunSettings) -> Non
     rehearsed = [p for batch in policy.rehearse_calls for p in batch]
     for r in (r for r in rows if r.role == "rehearse"):
         assert r.prompt in rehearsed or settings.mode == "none"
+    act = [r for r in rows if r.role == "act"]
     if settings.tool_choice == "required":
-        assert all(not r.target.startswith("<tool_call>") for r in rows if r.role == "act")
+        assert all(not r.target.startswith("<tool_call>") for r in act)
+    if settings.tool_choice == "first":  # the first step of each turn calls; the answers after stay whole
+        assert [r.prompt.prefill for r in act] == ["<tool_call>", "", "<tool_call>", "", ""]
+        assert [r.target for r in act if not r.prompt.prefill] == ["Stored.", call("get", key="color"), "It is blue."]
 
 
 def test_self_training_turns_a_shadow_write_into_a_rehearse_row() -> None:

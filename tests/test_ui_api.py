@@ -59,7 +59,7 @@ def form(**overrides):
     values = dict(source=C.SOURCE_TASK, task=C.DEFAULT_TASK, instruction="", instruction_env="GorillaFileSystem",
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
-                  rehearsal_context=d["rehearsal_context"], tool_required=d["tool_required"],
+                  rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values

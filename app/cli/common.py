@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from app.config import DEFAULT_MODEL, default_db_path
-from app.records import REHEARSAL_CONTEXTS, SELECTORS
+from app.records import REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 
 
 class UserError(Exception):
@@ -24,8 +24,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
     p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
                    help="what the Rehearse role sees besides the call")
-    p.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
-                   help="`required` makes every step a tool call")
+    p.add_argument("--tool-choice", choices=TOOL_CHOICES, default="auto",
+                   help="`required`: every step calls a tool; `first`: the first step after each user message does")
     p.add_argument("--constrain", choices=("on", "off"), default="on",
                    help="schema-constrained Act and Rehearse decoding (local models): `off` decodes freely")
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")

@@ -52,6 +52,14 @@ def committed_messages(branch: Branch, turn: int) -> list[HistoryItem]:
     return [said, HistoryItem(role="tool", content="", result=branch.actual, turn=turn)]
 
 
+def call_required(tool_choice: str, history: list[HistoryItem]) -> bool:
+    """Whether this step must call a tool: always under `required`; under `first`, when the last
+    message is the user's (the first step of a turn, or after a typed user turn)."""
+    if tool_choice == "required":
+        return True
+    return tool_choice == "first" and bool(history) and history[-1].role == "user"
+
+
 def latest_request(history: list[HistoryItem]) -> str:
     """The last user message: the request the judge weighs a branch against."""
     users = [h.content for h in history if h.role == "user"]

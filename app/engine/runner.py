@@ -23,7 +23,8 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import strategies
 from app.engine.context import StepContext
-from app.engine.history import TYPED_USER_MESSAGE, committed_messages, turn_messages, with_typed_turns
+from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, turn_messages,
+                                with_typed_turns)
 from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
@@ -277,7 +278,7 @@ class EpisodeRunner:
         ctx.rehearsals += self.rehearser.rehearse(ctx, branches)
 
     def _act_prompt(self, tools: list[Tool], memory: list[tuple[Any, Any]] | None = None) -> Prompt:
-        prefill = TOOL_CALL_OPEN if self.settings.tool_choice == "required" else ""
+        prefill = TOOL_CALL_OPEN if call_required(self.settings.tool_choice, self.history) else ""
         return act_prompt(tools, self.history, self.policy.count_tokens, self.policy.context_window,
                           reserve=self.settings.max_action_tokens + 32, memory=memory, prefill=prefill,
                           constrain=self.settings.constrain)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from app import envs
-from app.engine.history import committed_messages, turn_messages
+from app.engine.history import call_required, committed_messages, turn_messages
 from app.envs.base import Task, Tool
-from app.formats import (HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
+from app.formats import (TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
                          rehearse_target)
 from app.records import Annotation, Branch, Call, Episode, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Prompt
@@ -124,7 +124,7 @@ def replay(episode: Episode, task: Task) -> Iterator[StepView]:
 
 def act_row_prompt(view: StepView, ctx: PromptContext) -> Prompt:
     s = ctx.settings
-    prefill = "<tool_call>" if s.tool_choice == "required" else ""
+    prefill = TOOL_CALL_OPEN if call_required(s.tool_choice, view.history) else ""
     return act_prompt(view.tools, view.history, ctx.count_tokens, ctx.context_window,
                       reserve=s.max_action_tokens + 32, prefill=prefill, constrain=s.constrain)
 

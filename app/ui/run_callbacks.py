@@ -29,7 +29,7 @@ def request_from_form(form: dict[str, Any]) -> RunRequest:
     settings = parse_settings(
         mode=form["mode"], branches=form["branches"], selector=form["selector"],
         temperature=form["temperature"], seed=form["seed"], shadow=form["shadow"],
-        rehearsal_context=form["rehearsal_context"], tool_choice="required" if form["tool_required"] else "auto",
+        rehearsal_context=form["rehearsal_context"], tool_choice=form["tool_choice"],
         constrain=bool(form["constrain"]),
         max_action_tokens=form["max_action_tokens"], max_rehearsal_tokens=form["max_rehearsal_tokens"])
     model = (form["model"] or "").strip()
@@ -52,7 +52,7 @@ def form_from_request(request: RunRequest) -> dict[str, Any]:
     return {"source": C.SOURCE_TASK, "task": request.task_id, "model": request.model,
             "adapter": request.adapter or C.NO_ADAPTER, "mode": s.mode, "branches": s.branches,
             "selector": s.selector, "temperature": s.temperature, "seed": s.seed, "shadow": s.shadow,
-            "rehearsal_context": s.rehearsal_context, "tool_required": s.tool_choice == "required",
+            "rehearsal_context": s.rehearsal_context, "tool_choice": s.tool_choice,
             "constrain": s.constrain, "max_action_tokens": s.max_action_tokens,
             "max_rehearsal_tokens": s.max_rehearsal_tokens}
 

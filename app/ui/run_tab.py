@@ -53,7 +53,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
                 shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
                 context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
-                tool_required = gr.Checkbox(d["tool_required"] and shipped is None, label="Every step calls a tool (tool_choice=required)")
+                tool_choice = gr.Radio(list(C.TOOL_CHOICES), value=d["tool_choice"] if shipped is None else "auto",
+                                       label="Tool choice", info="required: every step calls a tool; first: the first "
+                                       "step after each user message does; auto: any step may answer in plain text")
                 constrain = gr.Checkbox(d["constrain"], label="Schema-constrained decoding",
                                         info="calls match a tool's schema; rehearsals its response schema")
                 max_action_tokens = gr.Number(d["max_action_tokens"], label="Max action tokens")
@@ -86,7 +88,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     form = {"source": source, "task": task, "instruction": instruction, "instruction_env": instruction_env,
             "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
             "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
-            "tool_required": tool_required, "constrain": constrain, "max_action_tokens": max_action_tokens,
+            "tool_choice": tool_choice, "constrain": constrain, "max_action_tokens": max_action_tokens,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
