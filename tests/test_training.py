@@ -318,3 +318,34 @@ def test_heldout_comparison_runs_each_column_with_its_decoding(tmp_path: Path, m
     calls.clear()
     out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous)
     assert out["previous_unconstrained"] == old_row and len(calls) == 4
+
+
+def test_single_turn_rows_teach_tool_selection_from_bfcl_answers() -> None:
+    import jsonschema
+
+    from app.envs.bfcl_tasks import single_turn_examples
+    from app.formats import parse_action
+    from app.training.rows import single_turn_rows
+
+    count = lambda text: len(text.split())  # noqa: E731 (any token counter will do for prompt rendering)
+    examples = {f"bfcl:{ex.id}": ex for c in ("multiple", "live_multiple") for ex in single_turn_examples(c)}
+    rows = single_turn_rows(PromptContext(count, 8192))
+    assert len(rows) == len(examples) > 1000
+    first = rows[0]  # multiple_0: three sides given; the optional flags (first answer "") are left out
+    assert parse_action(first.target).call.arguments == {"side1": 5, "side2": 4, "side3": 3}
+    invalid = 0
+    for row in rows:
+        ex = examples[row.ref]
+        call = parse_action(row.prompt.prefill + row.target).call
+        assert row.role == "act" and row.source == "single_turn" and call.name == ex.name
+        assert ex.request == row.prompt.messages[-1]["content"] and f"{ex.name}(" in row.prompt.messages[0]["content"]
+        tool = next(t for t in ex.tools if t.name == call.name)
+        try:
+            jsonschema.validate(call.arguments, tool.parameters)
+        except jsonschema.ValidationError:
+            invalid += 1  # BFCL's own answers: e.g. an integer where the doc says float
+    assert invalid <= len(rows) // 50
+    # Under tool_choice=first the single user message is a turn's first step: the prompt prefills the call tag.
+    ctx = PromptContext(count, 8192, RunSettings(tool_choice="first"))
+    assert all(r.prompt.prefill == "<tool_call>" and not r.target.startswith("<tool_call>")
+               for r in single_turn_rows(ctx, ["multiple"]))

@@ -34,6 +34,8 @@ def register(sub: Any) -> None:
     p.add_argument("--round1-steps", type=int, default=d.round1_steps, help="step cap of expert training")
     p.add_argument("--rehearse-rows", type=int, default=d.rehearse_rows,
                    help="expert Rehearse rows in round 1 (0: all 852)")
+    p.add_argument("--single-turn-rows", type=int, default=d.single_turn_rows,
+                   help="Act rows from BFCL single-turn tool selection (multiple, live_multiple) in round 1 (-1: all)")
     p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
     p.add_argument("--parent", default=None,
                    help="continue this adapter directory (a warm start) instead of a new LoRA")
@@ -87,7 +89,7 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               eval_tasks=args.eval_tasks, eval_turns=args.eval_turns,
                               eval_minutes=args.eval_minutes, self_rounds=args.self_rounds,
                               round1_steps=args.round1_steps, rehearse_rows=args.rehearse_rows or None,
-                              rollout_tasks=args.rollout_tasks,
+                              rollout_tasks=args.rollout_tasks, single_turn_rows=args.single_turn_rows,
                               parent=Path(args.parent) if args.parent else None)
     if args.self_rounds < 1 or args.rollout_tasks < 1 or args.round1_steps < 1:
         raise UserError("--self-rounds, --rollout-tasks and --round1-steps must be at least 1")

@@ -10,6 +10,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _entries(category: str) -> tuple[dict[str, Any], ...]:
+def _entries(category: str) -> tuple[dict[str, Any], ...]:  # multi-turn and single-turn files alike
     """Parsed task entries of one category, each with its `ground_truth` merged in."""
     root = data_dir()
     rows = _read_jsonl(root / f"BFCL_v4_{category}.json")
@@ -144,6 +145,56 @@ def _entries(category: str) -> tuple[dict[str, Any], ...]:
     for row in rows:
         row["ground_truth"] = answers[row["id"]]
     return tuple(rows)
+
+
+SINGLE_TURN_CATEGORIES: tuple[str, ...] = ("multiple", "live_multiple")
+"""BFCL single-turn categories where one call must be chosen among several documented functions:
+tool-selection examples on other APIs than the multi-turn classes (never evaluated here)."""
+
+
+@dataclass(frozen=True)
+class SingleTurnExample:
+    """One single-turn BFCL entry with one expected call: the request, the tools offered, the call."""
+
+    id: str
+    request: str
+    tools: tuple[Tool, ...]
+    name: str
+    arguments: dict[str, Any]
+
+
+def _flat(value: Any) -> bool:
+    return not isinstance(value, (dict, list)) or (isinstance(value, list) and
+                                                   all(not isinstance(v, (dict, list)) for v in value))
+
+
+def single_turn_examples(category: str) -> list[SingleTurnExample]:
+    """The entries of a single-turn category whose answer is one call with plain argument values.
+
+    BFCL lists the acceptable values of each argument; the first is taken, and an argument whose
+    first acceptable value is "" (may be omitted) is left out. Entries with nested answers (a dict
+    of acceptable values inside an argument), several calls or several user messages are skipped.
+    """
+    if category not in SINGLE_TURN_CATEGORIES:
+        raise UnknownTaskError(f"unknown single-turn category {category!r}; known: {', '.join(SINGLE_TURN_CATEGORIES)}")
+    out = []
+    for entry in _entries(category):
+        answers, question = entry["ground_truth"], entry["question"]
+        if len(answers) != 1 or len(question) != 1 or len(question[0]) != 1 or question[0][0]["role"] != "user":
+            continue
+        (name, accepted), = answers[0].items()
+        if not all(values and _flat(values[0]) for values in accepted.values()):
+            continue
+        tools = tuple(Tool(f["name"], f.get("description", ""), _to_json_schema(f.get("parameters", {})))
+                      for f in entry["function"])
+        chosen = next((t for t in tools if t.name == name), None)
+        if chosen is None:
+            continue
+        given = {k: values[0] for k, values in accepted.items() if values[0] != ""}
+        order = list(chosen.parameters.get("properties", {}))  # the order the constrained Act writes
+        arguments = {k: given[k] for k in order if k in given} | {k: v for k, v in given.items() if k not in order}
+        out.append(SingleTurnExample(entry["id"], question[0][0]["content"], tools, name, arguments))
+    return out
 
 
 def _unknown(what: str) -> UnknownTaskError:

@@ -28,7 +28,7 @@ from app.eval.evaluation import access_of, call_matches, episode_metrics, fideli
 from app.formats import REHEARSE_STOP, parse_result
 from app.records import Episode, RunSettings
 from app.training.rows import (PromptContext, expert_episode, expert_rows,
-                               rehearse_row_prompt, replay, self_training_rows)
+                               rehearse_row_prompt, replay, self_training_rows, single_turn_rows)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class AgentTrainingConfig:
     """Continue this adapter (a warm start: its rounds are not redone) instead of a new LoRA."""
     rehearse_rows: int | None = 220
     """Expert Rehearse rows sampled for round 1 (None: all 852; ~3 s each at ~500 tokens)."""
+    single_turn_rows: int = 0
+    """Act rows from BFCL single-turn tool selection (`rows.single_turn_rows`, 1,205 in all) sampled into
+    round 1 (0: none, the shipped adapter's recipe; -1: all)."""
     round1_steps: int = 400
     """About one pass over the 370 round-1 sequences (Act packs plus single Rehearse rows)."""
     round1_minutes: float = 26.0
@@ -225,6 +228,12 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     round1_rows = act + rehearse[:cfg.rehearse_rows]
     report(f"expert traces: {len(experts)} tasks, {len(act)} Act rows, {len(rehearse)} Rehearse rows "
            f"({len(round1_rows) - len(act)} used)")
+    if cfg.single_turn_rows:
+        single = single_turn_rows(ctx)
+        rng.shuffle(single)
+        single = single if cfg.single_turn_rows < 0 else single[:cfg.single_turn_rows]
+        round1_rows += single
+        report(f"single-turn tool selection: {len(single)} Act rows")
 
     # 2. joint training (a new LoRA, or the parent's continued)
     if cfg.parent is not None:

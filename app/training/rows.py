@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator
 from app import envs
 from app.engine.history import call_required, committed_messages, turn_messages
 from app.envs.base import Task, Tool
+from app.envs.bfcl_tasks import SINGLE_TURN_CATEGORIES, single_turn_examples
 from app.formats import (TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
                          rehearse_target)
 from app.records import Annotation, Branch, Call, Episode, RunSettings, Step, TurnResult, utcnow
@@ -211,6 +212,27 @@ def self_training_rows(episodes: Iterable[Episode], ctx: PromptContext) -> list[
     return rows
 
 
+def single_turn_rows(ctx: PromptContext, categories: Iterable[str] = SINGLE_TURN_CATEGORIES) -> list[TrainRow]:
+    """Act rows of BFCL's single-turn tool selection (`bfcl_tasks.single_turn_examples`): the Act prompt
+    over the entry's functions and its one user message -> the expected call.
+
+    New requests and new functions (the multi-turn training split repeats its 150 scenarios, and
+    BFCL's other multi-turn categories repeat the same questions index for index): rows that teach
+    picking a tool from its description. No Rehearse rows: nothing here is executed.
+    """
+    rows = []
+    for category in categories:
+        for ex in single_turn_examples(category):
+            history = [HistoryItem(role="user", content=ex.request)]
+            s = ctx.settings
+            prefill = TOOL_CALL_OPEN if call_required(s.tool_choice, history) else ""
+            prompt = act_prompt(list(ex.tools), history, ctx.count_tokens, ctx.context_window,
+                                reserve=s.max_action_tokens + 32, prefill=prefill, constrain=s.constrain)
+            text = call_text(Call(name=ex.name, arguments=ex.arguments))
+            rows.append(TrainRow("act", prompt, text[len(prefill):], "single_turn", f"bfcl:{ex.id}"))
+    return rows
+
+
 # ---------------------------------------------------------------- corrections
 
 
@@ -274,5 +296,5 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
 __all__ = [
     "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "StepView", "act_row_prompt",
     "act_target", "correction_rows", "episode_rows", "expert_episode", "expert_rows", "rehearse_row_prompt",
-    "replay", "self_training_rows",
+    "replay", "self_training_rows", "single_turn_rows",
 ]
