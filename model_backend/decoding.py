@@ -256,6 +256,18 @@ def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Ge
     return chosen
 
 
+def _skip_draws(generator: torch.Generator | None, vocab_size: int, n: int) -> None:
+    """Advance a sampled row's generator past `n` forced tokens, as `_choose` would have drawn them one step at
+    a time (a draw's use of the generator depends on the vocabulary's size only, not on the probabilities):
+    jump-forward then changes no sampled text, and K candidates stay as distinct as without it."""
+    if generator is None or n == 0:
+        return
+    one_hot = torch.zeros(vocab_size)
+    one_hot[0] = 1.0
+    for _ in range(n):
+        torch.multinomial(one_hot, 1, generator=generator)
+
+
 def _hit_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...], window: int) -> bool:
     """Whether the decoded tail of `ids` contains a stop string (cheap: only the last tokens)."""
     if not stop:
@@ -359,9 +371,10 @@ def generate(
                     done[i] = True  # cannot happen with a sound mask; stop rather than write garbage
                     continue
                 feeds[i] = [tok]
-                if jump_forward and matcher is not None and rows[i].temperature == 0:  # greedy rows only: sampled
-                    # candidates that skip their forced tokens came out identical more often (fewer distinct branches)
-                    feeds[i] += _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
+                if jump_forward and matcher is not None:
+                    forced_ids = _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
+                    feeds[i] += forced_ids
+                    _skip_draws(generators[i], logits.shape[-1], len(forced_ids))
                 if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i]):
                     done[i] = out.finished = True
                 elif len(out.token_ids) >= max_new_tokens:

@@ -278,3 +278,24 @@ def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatc
         if fast.token_ids == slow.token_ids:  # the same tokens: the same log-probabilities, to rounding
             assert fast.token_logprobs == pytest.approx(slow.token_logprobs, abs=1e-3)
     assert counts[True] < counts[False] / 1.5, counts
+
+
+@pytest.mark.slow
+def test_jump_forward_keeps_sampled_candidates(policy: Any) -> None:
+    """Sampled rows jump forward too, and their seeded generators skip one draw per forced token, so the K
+    candidates of one prompt come out as they do without jump-forward: as many distinct texts, the same ones."""
+    from model_backend.decoding import Row, generate
+
+    prompt = first_prompts(policy, 1)[0][1]
+    ids = policy.encode(prompt)
+
+    def rows() -> list[Row]:
+        return [Row(ids, stop=ACT_STOP, matcher=policy._matcher(prompt))] + [
+            Row(ids, temperature=1.0, top_p=1.0, seed=seed, stop=ACT_STOP, matcher=policy._matcher(prompt))
+            for seed in (11, 12, 13)]
+
+    texts = {jump: [o.text for o in generate(policy.model, policy.tokenizer, rows(), 64, policy.eos_ids,
+                                             policy.pad_id, jump_forward=jump)]
+             for jump in (False, True)}
+    assert texts[True] == texts[False]
+    assert len(set(texts[True])) > 1, texts[True]
