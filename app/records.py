@@ -26,9 +26,6 @@ SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
 REHEARSAL_CONTEXTS: tuple[str, ...] = ("history", "history+state")
 TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 PROPOSALS: tuple[str, ...] = get_args(Proposal)
-PRODUCT_PROPOSAL: Proposal = "tools"
-"""The CLI's, the UI's and the evaluation's default `proposal` (RunSettings keeps `sample`, what stored
-episodes from before the option did)."""
 
 
 def utcnow() -> str:
@@ -146,7 +143,8 @@ class RunSettings(BaseModel):
     proposal: Proposal = "sample"
     """How the K candidates differ (`app.engine.proposals`): `sample`, the greedy action plus K-1 sampled at
     the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
-    first. The CLI, the UI and the evaluation default to `tools` (PRODUCT_PROPOSAL)."""
+    first. `sample` stays the default: on the card's held-out protocol `tools` did not raise call
+    accuracy or turn success with the shipped adapter (NOTES.md)."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""

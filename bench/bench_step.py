@@ -5,7 +5,7 @@ scoring (the selector's and `surprise`'s forward passes, tokenization included),
 execution and the commit (real tool calls), the store write (`Recorder`, one transaction per
 step, into a temporary SQLite file), the UI render (the Run tab's HTML and chat for the step),
 and the rest of the engine (parsing, metrics, dedup). The product's defaults hold: constrained
-decoding, shadow execution, the prefix cache, the product's proposal (`--proposal`). Writes `bench/results/step_latency.json` and a
+decoding, shadow execution, the prefix cache, sampled alternatives (`--proposal tools` for the other kind). Writes `bench/results/step_latency.json` and a
 plotly stacked bar `bench/results/step_breakdown.html` (and .png when kaleido is installed).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from app import envs
 from app.config import SHIPPED_ADAPTER
 from app.engine import EpisodeRunner
-from app.records import PRODUCT_PROPOSAL, PROPOSALS, RunSettings
+from app.records import PROPOSALS, RunSettings
 from app.store import Recorder, Store
 from app.ui import render
 
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=12, help="first N held-out tasks")
     parser.add_argument("--steps", type=int, default=3, help="steps per episode")
     parser.add_argument("--ks", default="1,4")
-    parser.add_argument("--proposal", choices=PROPOSALS, default=PRODUCT_PROPOSAL, help="how K candidates differ")
+    parser.add_argument("--proposal", choices=PROPOSALS, default="sample", help="how K candidates differ")
     args = parser.parse_args()
 
     import model_backend

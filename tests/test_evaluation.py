@@ -69,9 +69,8 @@ def no_model():
 
 
 def config(**overrides) -> EvalConfig:
-    # The scripted policy's candidates are its script's K texts: the `sample` proposal reads them all.
     values = dict(task_ids=["mock:kv"], modes=["none", "parallel", "sequential"], branches=3, model="scripted",
-                  state_probe=8, proposal="sample")
+                  state_probe=8)
     values.update(overrides)
     return EvalConfig(**values)
 

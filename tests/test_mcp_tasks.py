@@ -143,7 +143,7 @@ def test_eval_on_an_mcp_task_with_the_real_best_of_k_row(tmp_path):
     # The judge prefers the wrong call, so only the real outcome tells them apart.
     policy = ScriptedPolicy([[bad, good]] * 4, judge=lambda text: 0.9 if "WHERE" not in text else 0.2)
     cfg = EvalConfig(task_ids=["mcp:sqlite/deactivate-bob"], modes=["parallel"], branches=2, state_probe=0,
-                     max_steps_per_turn=1, selector="judge", proposal="sample")
+                     max_steps_per_turn=1, selector="judge")
     result = run_eval(cfg, Store(tmp_path / "eval.db"), policy)
     rows = {r["row"]: r for r in result["rows"]}
     assert rows["parallel"]["task_success"] == 0.0 and rows["parallel"]["shadow_calls_per_task"] == 1.0

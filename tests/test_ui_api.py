@@ -61,7 +61,7 @@ def form(**overrides):
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
                   rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
-                  proposal="sample",  # the scripted policy's K candidates are its script's texts
+                  proposal=d["proposal"],
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
@@ -94,12 +94,10 @@ def test_step_shows_branches_and_saves_the_step(app):
 
 
 def test_step_with_tool_alternatives(app):
-    """Candidates `tools` (the page's default): the greedy call, then calls forced onto other tools, one
-    card each, and the episode's settings say so."""
+    """Candidates `tools`: the greedy call, then calls forced onto other tools, one card each, and the
+    episode's settings say so."""
     c = client(app)
-    message, status, chat, timeline, cards, state = c.predict(**form(proposal=C.UI_DEFAULTS["proposal"]),
-                                                              api_name="/step")
-    assert C.UI_DEFAULTS["proposal"] == "tools"
+    message, status, chat, timeline, cards, state = c.predict(**form(proposal="tools"), api_name="/step")
     assert "ea-msg-error" not in message and "candidates tools" in status
     assert cards.count('data-branch=') == 3 and "3 proposed → 3 unique" in cards
     names = re.findall(r'class="ea-action">(\w+)\(', cards)

@@ -22,7 +22,7 @@ from app.engine import EpisodeRunner
 from app.engine.oracle import call_matches, oracle_settings
 from app.envs.base import Task
 from app.formats import REHEARSE_STOP, canonical_json, parse_result
-from app.records import PRODUCT_PROPOSAL, Episode, Metrics, RunSettings, utcnow
+from app.records import Episode, Metrics, RunSettings, utcnow
 from app.store import Recorder, Store
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class EvalConfig:
     rehearsal_context: str = "history"
     tool_choice: str = "auto"
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
-    proposal: str = PRODUCT_PROPOSAL
+    proposal: str = "sample"
     """How the K candidates differ (RunSettings.proposal)."""
     constrain: bool = True
     """Schema-constrained Act and Rehearse decoding (RunSettings.constrain)."""

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.formats import parse_action
-from app.records import LABELS, MODES, PRODUCT_PROPOSAL, Annotation, RunSettings
+from app.records import LABELS, MODES, Annotation, RunSettings
 
 
 class InputError(ValueError):
@@ -51,7 +51,7 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 
 
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
-                   rehearsal_context: str, tool_choice: str = "auto", proposal: str = PRODUCT_PROPOSAL, constrain: bool = True,
+                   rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample", constrain: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""

@@ -48,8 +48,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 branches = gr.Number(d["branches"], label="K (branches)", info="1-16")
                 temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
             proposal = gr.Radio(list(C.PROPOSALS), value=d["proposal"], label="Candidates",
-                                info="tools: a call to each of the K tools the model ranks first; "
-                                     "sample: K-1 alternatives sampled at the temperature")
+                                info="sample: K-1 alternatives sampled at the temperature; tools: a call to "
+                                     "each of the K-1 other tools the model ranks first")
             # What a first run never needs to touch waits in Advanced: a shorter left column.
             with gr.Accordion("Advanced", open=False):
                 seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
