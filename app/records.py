@@ -144,7 +144,7 @@ class RunSettings(BaseModel):
     """How the K candidates differ (`app.engine.proposals`): `sample`, the greedy action plus K-1 sampled at
     the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
     first. `sample` stays the default: on the card's held-out protocol `tools` did not raise call
-    accuracy or turn success with the shipped adapter (NOTES.md)."""
+    accuracy or turn success with the shipped adapter (README, Evaluation)."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""

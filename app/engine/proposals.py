@@ -6,9 +6,10 @@
 - `tools`: the greedy action, then one greedy call to each of the K-1 tools the model
   ranks next (P(tool name | prompt, `<tool_call>{"name": "`), one batched scoring pass).
   The candidates name K distinct tools: the model's own alternatives, each with its best
-  arguments, so rehearsal compares different ideas. Measured on held-out BFCL, the
-  expert's tool is the model's first choice at one call step in five and in its top three
-  at one in two (NOTES.md), which is the gap this closes.
+  arguments, so rehearsal compares different ideas. On held-out BFCL the expert's tool is
+  the model's first choice at one call step in five but in its top three at one in two
+  (teacher-forced): the gap this aims at. Measured on the card's protocol with the shipped
+  adapter it did not raise call accuracy (README, Evaluation), so `sample` stays the default.
 
 A tool-forced alternative keeps the token log-probabilities of its tool name (from the
 ranking pass) ahead of its generated ones, so `logprob` still compares whole calls.
