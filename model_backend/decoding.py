@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import Timings
 from .constrain import mask_logits
-from .fast_step import decode_step
+from .fast_step import decode_step, generic_step
 from .prefix_cache import PrefixCache
 
 
@@ -204,18 +204,14 @@ def prefill(
         mask[i, prefix_len + width - n :] = 1
         positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
     has_padding = bool((mask == 0).any())
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device) if has_padding else None,
-        position_ids=positions.to(device),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=keep,
-    )
+    # Rows after a shared prefix: the lean step's cascade attention reads the prefix's keys once for all
+    # rows (the forward would build B copies of them in every layer); a lone row goes through the forward.
+    forward = decode_step(model, cache) if prefix_len > 0 and batch > 1 else generic_step(model, cache)
+    logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
     if prefix_cache is not None and batch > 1:
         _store_rows(prefix_cache, seqs, prefix_len, width, cache)
     next_positions = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    return Prefilled(cache, out.logits, mask.to(device), next_positions, has_padding, prefix_len)
+    return Prefilled(cache, logits, mask.to(device), next_positions, has_padding, prefix_len)
 
 
 def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], prefix_len: int, width: int,
