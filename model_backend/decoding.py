@@ -158,6 +158,10 @@ class Prefilled:
     prefix_len: int
 
 
+LEAN_PREFILL_WIDTH = 16
+"""Suffixes up to this many tokens are prefilled through the lean step (cascade attention)."""
+
+
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     first = seqs[0]
     n = min(len(s) for s in seqs)
@@ -204,9 +208,11 @@ def prefill(
         mask[i, prefix_len + width - n :] = 1
         positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
     has_padding = bool((mask == 0).any())
-    # Rows after a shared prefix: the lean step's cascade attention reads the prefix's keys once for all
-    # rows (the forward would build B copies of them in every layer); a lone row goes through the forward.
-    forward = decode_step(model, cache) if prefix_len > 0 and batch > 1 else generic_step(model, cache)
+    # Short rows after a shared prefix (K Act rows, tool names to rank): the lean step's cascade attention
+    # reads the prefix's keys once for all rows, where the forward builds B copies of them in every layer.
+    # Long suffixes (K Rehearse prompts) stay with the forward's fused attention, which measured faster there.
+    lean = prefix_len > 0 and batch > 1 and width <= LEAN_PREFILL_WIDTH
+    forward = decode_step(model, cache) if lean else generic_step(model, cache)
     logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
     if prefix_cache is not None and batch > 1:
         _store_rows(prefix_cache, seqs, prefix_len, width, cache)
