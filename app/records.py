@@ -15,6 +15,7 @@ Selector = Literal["judge", "logprob", "memory", "oracle"]
 """`oracle` is evaluation-only (the real best-of-K baseline, app/engine/oracle.py): not in SELECTORS."""
 RehearsalContext = Literal["history", "history+state"]
 ToolChoice = Literal["auto", "first", "required"]
+Proposal = Literal["sample", "tools"]
 ActualSource = Literal["committed", "shadow"]
 ActionKind = Literal["call", "answer", "parse_error"]
 Label = Literal["match", "minor", "major", "hallucinated_state", "wrong_format"]
@@ -24,6 +25,7 @@ MODES: tuple[str, ...] = ("none", "parallel", "sequential")
 SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
 REHEARSAL_CONTEXTS: tuple[str, ...] = ("history", "history+state")
 TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
+PROPOSALS: tuple[str, ...] = get_args(Proposal)
 
 
 def utcnow() -> str:
@@ -138,6 +140,11 @@ class RunSettings(BaseModel):
     """`required` prefills `<tool_call>` so every step calls a tool (as OpenAI's tool_choice); `first` does
     so on the first step after each user message (a request gets at least one call), later steps may
     answer; `auto` lets every step answer in plain text."""
+    proposal: Proposal = "sample"
+    """How the K candidates differ (`app.engine.proposals`): `sample`, the greedy action plus K-1 sampled at
+    the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
+    first. `sample` stays the default: on the card's held-out protocol `tools` did not raise call
+    accuracy or turn success with the shipped adapter (README, Evaluation)."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""
@@ -149,7 +156,8 @@ class RunSettings(BaseModel):
     @classmethod
     def from_stored(cls, values: dict[str, Any]) -> "RunSettings":
         """Settings read back from a store or a file: those written before `constrain` existed
-        were decoded freely, so a missing `constrain` means False there (not the new default)."""
+        were decoded freely, so a missing `constrain` means False there (not the new default); those
+        written before `proposal` existed sampled their alternatives (the default)."""
         return cls(**{"constrain": False, **values})
 
 

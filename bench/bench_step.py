@@ -5,7 +5,7 @@ scoring (the selector's and `surprise`'s forward passes, tokenization included),
 execution and the commit (real tool calls), the store write (`Recorder`, one transaction per
 step, into a temporary SQLite file), the UI render (the Run tab's HTML and chat for the step),
 and the rest of the engine (parsing, metrics, dedup). The product's defaults hold: constrained
-decoding, shadow execution, the prefix cache. Writes `bench/results/step_latency.json` and a
+decoding, shadow execution, the prefix cache, sampled alternatives (`--proposal tools` for the other kind). Writes `bench/results/step_latency.json` and a
 plotly stacked bar `bench/results/step_breakdown.html` (and .png when kaleido is installed).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from app import envs
 from app.config import SHIPPED_ADAPTER
 from app.engine import EpisodeRunner
-from app.records import RunSettings
+from app.records import PROPOSALS, RunSettings
 from app.store import Recorder, Store
 from app.ui import render
 
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=12, help="first N held-out tasks")
     parser.add_argument("--steps", type=int, default=3, help="steps per episode")
     parser.add_argument("--ks", default="1,4")
+    parser.add_argument("--proposal", choices=PROPOSALS, default="sample", help="how K candidates differ")
     args = parser.parse_args()
 
     import model_backend
@@ -82,7 +83,8 @@ def main() -> None:
     store = Store(Path(tempfile.mkdtemp()) / "bench.db")
     rows: dict[str, dict] = {}
     for k in [int(k) for k in args.ks.split(",")]:
-        settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True)
+        settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
+                               proposal=args.proposal)
         runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         totals: list[float] = []
@@ -112,7 +114,7 @@ def main() -> None:
         print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']} (goal <= 1.3); K=4 p50 {rows['4']['p50_s']} s (goal <= 4)")
     figure(rows)
     write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
-                                   "mode": "parallel", "selector": "logprob",
+                                   "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})
 
 

@@ -89,6 +89,11 @@ class Policy(Protocol):
         """K candidates for one prompt: index 0 greedy, 1..K-1 sampled (seeded)."""
         ...
 
+    def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """One greedy candidate per prompt, batched: alternatives that differ in prefill or constraint
+        (e.g. each forced onto another tool, `app.engine.proposals`)."""
+        ...
+
     def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
         """One greedy prediction per prompt (the tool's response)."""
         ...

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import Timings
 from .constrain import mask_logits
-from .fast_step import decode_step
+from .fast_step import decode_step, generic_step
 from .prefix_cache import PrefixCache
 
 
@@ -158,6 +158,10 @@ class Prefilled:
     prefix_len: int
 
 
+LEAN_PREFILL_WIDTH = 16
+"""Suffixes up to this many tokens are prefilled through the lean step (cascade attention)."""
+
+
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     first = seqs[0]
     n = min(len(s) for s in seqs)
@@ -204,18 +208,16 @@ def prefill(
         mask[i, prefix_len + width - n :] = 1
         positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
     has_padding = bool((mask == 0).any())
-    out = model(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device) if has_padding else None,
-        position_ids=positions.to(device),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=keep,
-    )
+    # Short rows after a shared prefix (K Act rows, tool names to rank): the lean step's cascade attention
+    # reads the prefix's keys once for all rows, where the forward builds B copies of them in every layer.
+    # Long suffixes (K Rehearse prompts) stay with the forward's fused attention, which measured faster there.
+    lean = prefix_len > 0 and batch > 1 and width <= LEAN_PREFILL_WIDTH
+    forward = decode_step(model, cache) if lean else generic_step(model, cache)
+    logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
     if prefix_cache is not None and batch > 1:
         _store_rows(prefix_cache, seqs, prefix_len, width, cache)
     next_positions = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
-    return Prefilled(cache, out.logits, mask.to(device), next_positions, has_padding, prefix_len)
+    return Prefilled(cache, logits, mask.to(device), next_positions, has_padding, prefix_len)
 
 
 def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], prefix_len: int, width: int,
@@ -254,6 +256,18 @@ def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Ge
         # The generator lives on the CPU, so sample there: same seed -> same tokens on any device.
         chosen[i] = torch.multinomial(probs.cpu(), 1, generator=gen).item()
     return chosen
+
+
+def _skip_draws(generator: torch.Generator | None, vocab_size: int, n: int) -> None:
+    """Advance a sampled row's generator past `n` forced tokens, as `_choose` would have drawn them one step at
+    a time (a draw's use of the generator depends on the vocabulary's size only, not on the probabilities):
+    jump-forward then changes no sampled text, and K candidates stay as distinct as without it."""
+    if generator is None or n == 0:
+        return
+    one_hot = torch.zeros(vocab_size)
+    one_hot[0] = 1.0
+    for _ in range(n):
+        torch.multinomial(one_hot, 1, generator=generator)
 
 
 def _hit_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...], window: int) -> bool:
@@ -359,9 +373,10 @@ def generate(
                     done[i] = True  # cannot happen with a sound mask; stop rather than write garbage
                     continue
                 feeds[i] = [tok]
-                if jump_forward and matcher is not None and rows[i].temperature == 0:  # greedy rows only: sampled
-                    # candidates that skip their forced tokens came out identical more often (fewer distinct branches)
-                    feeds[i] += _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
+                if jump_forward and matcher is not None:
+                    forced_ids = _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
+                    feeds[i] += forced_ids
+                    _skip_draws(generators[i], logits.shape[-1], len(forced_ids))
                 if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i]):
                     done[i] = out.finished = True
                 elif len(out.token_ids) >= max_new_tokens:

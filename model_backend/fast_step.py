@@ -31,17 +31,19 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-Step = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
-"""(input ids [B, W], attention mask [B, cache length + W] or None, position ids [B, W]) -> logits [B, W, V].
-W is 1 for a decode step, more where a grammar forces tokens (jump-forward)."""
+Step = Callable[..., torch.Tensor]
+"""(input ids [B, W], attention mask [B, cache length + W] or None, position ids [B, W], keep=None) -> logits
+[B, keep or W, V] of the last `keep` positions. W is 1 for a decode step, more where a grammar forces tokens
+(jump-forward) or where the rows' own prompt suffixes are encoded after a shared prefix (`decoding.prefill`)."""
 
 
 def generic_step(model: Any, cache: Any) -> Step:
     """The ordinary forward call (any model)."""
 
-    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+             keep: int | None = None) -> torch.Tensor:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    logits_to_keep=ids.shape[1])
+                    logits_to_keep=keep or ids.shape[1])
         return out.logits
 
     return step
@@ -158,12 +160,15 @@ def _plain(module: Any) -> Linear:
 
 def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                         scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and the log-sum-exp of its scores (what merging two parts of the keys needs)."""
+    """Softmax attention and the log-sum-exp of its scores (what merging two parts of the keys needs).
+    A query that sees none of the keys (a pad before a row's first own token) gets zeros and -inf, so the
+    merge gives it the other part alone, never NaN (which the pad's cached keys and values would spread)."""
     scores = (q @ k.transpose(-1, -2)) * scaling
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - finite) @ v, lse
 
 
 def shared_prefix_attention(q: torch.Tensor, shared_k: torch.Tensor, shared_v: torch.Tensor, own_k: torch.Tensor,
@@ -211,7 +216,8 @@ def lean_step(model: Any, cache: Any) -> Step:
     norm_w, norm_eps = inner.norm.weight, inner.norm.variance_epsilon
     lm_head = _plain(model.lm_head)
 
-    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+             keep: int | None = None) -> torch.Tensor:
         batch, width = ids.shape
         x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
         cos, sin = rotary(x, positions)
@@ -240,6 +246,8 @@ def lean_step(model: Any, cache: Any) -> Step:
             h = _rms_norm(x, post_w, post_eps)
             gate, up = gate_up(h).split(mlp_size, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
+        if keep is not None and keep < width:
+            x = x[:, -keep:]
         x = _rms_norm(x, norm_w, norm_eps)
         return lm_head(x)
 

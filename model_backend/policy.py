@@ -98,13 +98,20 @@ class TransformersPolicy:
         outs = self._generate(rows, config.max_new_tokens, "act")
         return [self._to_generation(prompt.prefill, o, row.temperature > 0) for o, row in zip(outs, rows)]
 
+    def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """One greedy candidate per prompt, all in one batch (timed as `act`)."""
+        return self._greedy_each(prompts, config, "act")
+
     def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
         """One greedy continuation per prompt, all in one batch."""
+        return self._greedy_each(prompts, config, "rehearse")
+
+    def _greedy_each(self, prompts: list[Prompt], config: GenerationConfig, role: str) -> list[Generation]:
         if not prompts:
             return []
-        with self.timings.phase("rehearse.tokenize"):
+        with self.timings.phase(f"{role}.tokenize"):
             rows = [Row(self.encode(p), stop=config.stop, matcher=self._matcher(p)) for p in prompts]
-        outs = self._generate(rows, config.max_new_tokens, "rehearse")
+        outs = self._generate(rows, config.max_new_tokens, role)
         return [self._to_generation(p.prefill, o, False) for p, o in zip(prompts, outs)]
 
     def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:

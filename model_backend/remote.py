@@ -394,6 +394,10 @@ class OpenAIPolicy:
             samples += [f.result()[0] for f in futures]
         return [greedy.result()[0], *samples]
 
+    def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """One greedy candidate per prompt, sent concurrently (as `rehearse`)."""
+        return self.rehearse(prompts, config)
+
     def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
         """One greedy prediction per prompt, sent concurrently (the server batches them)."""
         futures = [self._pool.submit(self._complete, p, config, 0.0, None) for p in prompts]

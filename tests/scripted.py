@@ -16,9 +16,15 @@ class ScriptedPolicy:
     context_window = 8192
 
     def __init__(self, actions: list[list[str]], predict: Callable[[str], Any] | None = None,
-                 judge: Callable[[str], float] | None = None) -> None:
-        """`actions[i]` are the candidates of the i-th act() call (padded by repeating the last)."""
+                 judge: Callable[[str], float] | None = None, name_scores: dict[str, float] | None = None,
+                 arguments: dict[str, dict[str, Any]] | None = None) -> None:
+        """`actions[i]` are the candidates of the i-th act() call (padded by repeating the last).
+        `name_scores`: the log-probability `score` gives a tool name (the `tools` proposal ranks by it);
+        `arguments`: what `act_each` writes for a call forced onto a tool (default none)."""
         self.actions = list(actions)
+        self.name_scores = name_scores or {}
+        self.arguments = arguments or {}
+        self.act_each_calls: list[list[Prompt]] = []
         self.predict = predict or (lambda prompt_text: {"ok": True})
         self.judge = judge or (lambda prompt_text: 0.5)
         self.act_calls: list[tuple[Prompt, int]] = []
@@ -35,6 +41,20 @@ class ScriptedPolicy:
             text = script[min(i, len(script) - 1)]
             out.append(Generation(text=prompt.prefill + text if not text.startswith(prompt.prefill) else text,
                                   token_logprobs=[-0.1 * (i + 1)] * 4, sampled=i > 0))
+        return out
+
+    def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
+        """A call to the tool each prompt is forced onto (its constraint's one name, or the name in its prefill)."""
+        self.act_each_calls.append(prompts)
+        out = []
+        for p in prompts:
+            if p.constraint is not None:
+                name = p.constraint.schema["properties"]["name"]["const"]
+                body = json.dumps({"name": name, "arguments": self.arguments.get(name, {})}) + "</tool_call>"
+            else:
+                name = p.prefill.split('"name": "')[1].split('"')[0]
+                body = json.dumps(self.arguments.get(name, {})) + "}</tool_call>"
+            out.append(Generation(text=p.prefill + body, token_logprobs=[-0.3] * 4, sampled=False))
         return out
 
     def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
@@ -54,6 +74,8 @@ class ScriptedPolicy:
             if c in ("yes", "no"):
                 p_yes = min(max(self.judge(p.messages[-1]["content"]), 1e-6), 1 - 1e-6)
                 out.append([math.log(p_yes if c == "yes" else 1 - p_yes)])
+            elif c.endswith('"') and c[:-1] in self.name_scores:  # a tool name, for the `tools` proposal
+                out.append([self.name_scores[c[:-1]]])
             else:
                 out.append([-0.5] * max(1, len(c) // 4))
         return out

@@ -278,3 +278,41 @@ def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatc
         if fast.token_ids == slow.token_ids:  # the same tokens: the same log-probabilities, to rounding
             assert fast.token_logprobs == pytest.approx(slow.token_logprobs, abs=1e-3)
     assert counts[True] < counts[False] / 1.5, counts
+
+
+@pytest.mark.slow
+def test_jump_forward_keeps_sampled_candidates(policy: Any) -> None:
+    """Sampled rows jump forward too, and their seeded generators skip one draw per forced token, so the K
+    candidates of one prompt come out as they do without jump-forward: as many distinct texts, the same ones."""
+    from model_backend.decoding import Row, generate
+
+    prompt = first_prompts(policy, 1)[0][1]
+    ids = policy.encode(prompt)
+
+    def rows() -> list[Row]:
+        return [Row(ids, stop=ACT_STOP, matcher=policy._matcher(prompt))] + [
+            Row(ids, temperature=1.0, top_p=1.0, seed=seed, stop=ACT_STOP, matcher=policy._matcher(prompt))
+            for seed in (11, 12, 13)]
+
+    texts = {jump: [o.text for o in generate(policy.model, policy.tokenizer, rows(), 64, policy.eos_ids,
+                                             policy.pad_id, jump_forward=jump)]
+             for jump in (False, True)}
+    assert texts[True] == texts[False]
+    assert len(set(texts[True])) > 1, texts[True]
+
+
+@pytest.mark.slow
+def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> None:
+    """`proposal=tools` on the real model: K candidates that name K distinct tools, the alternatives in the
+    order `rank_tools` gives, each schema-valid for its tool."""
+    from app.engine.proposals import distinct_tools, rank_tools
+
+    config = GenerationConfig(max_new_tokens=96, temperature=0.8, seed=0, stop=ACT_STOP)
+    for tools, prompt in first_prompts(policy, 2, prefill=TOOL_CALL_OPEN):
+        gens = distinct_tools(policy, prompt, tools, 4, config)
+        for gen in gens:
+            assert_valid_call(gen.text, tools)
+        names = [parse_action(g.text).call.name for g in gens]
+        assert len(names) == 4 and len(set(names)) == 4, names
+        ranked = [t.name for t, _ in rank_tools(policy, prompt, tools)]
+        assert names[1:] == [n for n in ranked if n != names[0]][:3]

@@ -203,6 +203,54 @@ def test_tool_choice_first_prefills_only_the_first_step_of_each_turn():
     assert [(s.turn, s.kind) for s in steps] == [(0, "call"), (0, "answer"), (1, "call")]
 
 
+RANKS = {"get": -0.1, "list_keys": -0.2, "set": -0.3, "delete": -2.0, "fail": -3.0}
+
+
+def test_tools_proposal_calls_the_next_ranked_tools():
+    """`proposal=tools`: the greedy action, then one call to each of the K-1 best-ranked other tools, each
+    prompt opened on its tool (constrained to its schema), ranked by the tool name's log-probability."""
+    r, policy = runner([[call("list_keys")]], settings=RunSettings(mode="parallel", branches=3, proposal="tools"),
+                       name_scores=RANKS, arguments={"get": {"key": "size"}, "set": {"key": "a", "value": 1}})
+    step = r.step()
+    assert [b.call.name for b in step.branches] == ["list_keys", "get", "set"]
+    assert policy.act_calls[0][1] == 1  # the greedy action alone; the others are forced, not sampled
+    forced = policy.act_each_calls[0]
+    assert [p.prefill for p in forced] == ["<tool_call>", "<tool_call>"]
+    assert [p.constraint.schema["properties"]["name"]["const"] for p in forced] == ["get", "set"]
+    assert not step.branches[0].sampled and all(b.sampled for b in step.branches[1:])
+    assert step.branches[1].actual == {"value": "L"}  # shadow-executed on its fork like any alternative
+    assert r.env.state()["MockKV"]["store"].get("a") is None  # the set ran on its fork only
+
+
+def test_tools_proposal_after_a_plain_answer_and_unconstrained():
+    """When the greedy action answers in text, the alternatives are the K-1 best tools; without a constraint
+    the tool's name is written into the prefill, and its log-probabilities lead the alternative's."""
+    r, policy = runner([["All done."]], settings=RunSettings(mode="parallel", branches=3, proposal="tools",
+                                                             constrain=False, selector="logprob"),
+                       name_scores=RANKS, arguments={"get": {"key": "size"}})
+    step = r.step()
+    assert [b.kind for b in step.branches] == ["answer", "call", "call"]
+    assert [b.call.name for b in step.branches[1:]] == ["get", "list_keys"]
+    forced = policy.act_each_calls[0]
+    assert forced[0].prefill == '<tool_call>{"name": "get", "arguments": ' and forced[0].constraint is None
+    # -0.1 for the name, then four generated tokens at -0.3: the mean covers the whole call
+    assert step.branches[1].act_logprob == pytest.approx((-0.1 - 4 * 0.3) / 5)
+
+
+def test_tools_proposal_with_one_candidate_or_one_tool_is_the_greedy_action():
+    r, policy = runner([[call("get", key="size")]], settings=RunSettings(mode="parallel", branches=1,
+                                                                        proposal="tools"), name_scores=RANKS)
+    step = r.step()
+    assert len(step.branches) == 1 and policy.act_each_calls == []
+
+
+def test_stored_settings_without_a_proposal_sampled():
+    old = RunSettings().model_dump()
+    del old["proposal"]
+    assert RunSettings.from_stored(old).proposal == "sample"
+    assert RunSettings.from_stored(RunSettings(proposal="tools").model_dump()).proposal == "tools"
+
+
 def test_same_seed_same_episode():
     def run_once():
         r, _ = runner([[call("set", key="color", value="blue"), call("list_keys")], ["Done."],

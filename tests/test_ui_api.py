@@ -5,6 +5,7 @@ browser session. The real model and a real browser are exercised in test_ui_brow
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -60,6 +61,7 @@ def form(**overrides):
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
                   rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
+                  proposal=d["proposal"],
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
@@ -89,6 +91,17 @@ def test_step_shows_branches_and_saves_the_step(app):
     assert counts(app)["episodes"] == after["episodes"]
     cards0, state0 = c.predict(0, api_name="/show_step")
     assert "Step 0 ·" in cards0 and "State diff, step 0" in state0
+
+
+def test_step_with_tool_alternatives(app):
+    """Candidates `tools`: the greedy call, then calls forced onto other tools, one card each, and the
+    episode's settings say so."""
+    c = client(app)
+    message, status, chat, timeline, cards, state = c.predict(**form(proposal="tools"), api_name="/step")
+    assert "ea-msg-error" not in message and "candidates tools" in status
+    assert cards.count('data-branch=') == 3 and "3 proposed → 3 unique" in cards
+    names = re.findall(r'class="ea-action">(\w+)\(', cards)
+    assert names[0] == "ls" and len(set(names[:3])) == 3, names
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from app.config import DEFAULT_MODEL, default_db_path
-from app.records import REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 
 
 class UserError(Exception):
@@ -26,6 +26,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="what the Rehearse role sees besides the call")
     p.add_argument("--tool-choice", choices=TOOL_CHOICES, default="auto",
                    help="`required`: every step calls a tool; `first`: the first step after each user message does")
+    p.add_argument("--proposal", choices=PROPOSALS, default="sample",
+                   help="how the K candidates differ: `tools` calls the K tools the model ranks first (greedy "
+                        "arguments), `sample` samples K-1 alternatives at the temperature")
     p.add_argument("--constrain", choices=("on", "off"), default="on",
                    help="schema-constrained Act and Rehearse decoding (local models): `off` decodes freely")
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")

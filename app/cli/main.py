@@ -85,7 +85,8 @@ def settings_from_args(args: argparse.Namespace):
         return RunSettings(mode=args.mode, branches=1 if args.mode == "none" else args.branches,
                            selector=args.selector, seed=args.seed, temperature=args.temperature,
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
-                           tool_choice=args.tool_choice, constrain=args.constrain == "on",
+                           tool_choice=args.tool_choice, proposal=args.proposal,
+                           constrain=args.constrain == "on",
                            max_steps_per_turn=args.max_steps,
                            max_action_tokens=args.max_action_tokens,
                            max_rehearsal_tokens=args.max_rehearsal_tokens)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from app import envs
 from app.divergence import compare, mean_nll
-from app.engine import strategies
+from app.engine import proposals, strategies
 from app.engine.context import StepContext
 from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, turn_messages,
                                 with_typed_turns)
@@ -247,8 +247,12 @@ class EpisodeRunner:
 
     def generate(self, ctx: StepContext, k: int, *, memory: list[tuple[Any, Any]] | None = None,
                  attempt: int = 0) -> list[Generation]:
-        """K Act candidates for this step (one batch), with private rehearsals in view when `memory`."""
-        return self.policy.act(self._act_prompt(ctx.tools_list, memory), k, self._act_config(ctx.index, attempt))
+        """K Act candidates for this step, with private rehearsals in view when `memory`; how they differ
+        is `settings.proposal` (`proposals`)."""
+        prompt, config = self._act_prompt(ctx.tools_list, memory), self._act_config(ctx.index, attempt)
+        if self.settings.proposal == "tools" and k > 1:
+            return proposals.distinct_tools(self.policy, prompt, ctx.tools_list, k, config)
+        return self.policy.act(prompt, k, config)
 
     @staticmethod
     def key_of(generation: Generation) -> str:

@@ -53,6 +53,8 @@ class EvalConfig:
     rehearsal_context: str = "history"
     tool_choice: str = "auto"
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
+    proposal: str = "sample"
+    """How the K candidates differ (RunSettings.proposal)."""
     constrain: bool = True
     """Schema-constrained Act and Rehearse decoding (RunSettings.constrain)."""
     max_steps_per_turn: int | None = None
@@ -66,7 +68,7 @@ class EvalConfig:
     def row_settings(self) -> dict[str, RunSettings]:
         """Row key -> RunSettings, in table order (validates like the CLI's `run`)."""
         base = dict(seed=self.seed, temperature=self.temperature, selector=self.selector, shadow=self.shadow,
-                    rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice,
+                    rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice, proposal=self.proposal,
                     constrain=self.constrain,
                     max_steps_per_turn=self.max_steps_per_turn,
                     max_action_tokens=self.max_action_tokens, max_rehearsal_tokens=self.max_rehearsal_tokens)

@@ -51,7 +51,7 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 
 
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
-                   rehearsal_context: str, tool_choice: str = "auto", constrain: bool = True,
+                   rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample", constrain: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""
@@ -60,7 +60,8 @@ def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any,
     k = _whole("branches", branches, 1, 16)
     values = dict(mode=mode, branches=1 if mode == "none" else k, selector=selector,
                   seed=_whole("seed", seed, 0, 2**31 - 1), shadow=bool(shadow),
-                  rehearsal_context=rehearsal_context, tool_choice=tool_choice, constrain=bool(constrain),
+                  rehearsal_context=rehearsal_context, tool_choice=tool_choice, proposal=proposal,
+                  constrain=bool(constrain),
                   max_action_tokens=_whole("max_action_tokens", max_action_tokens, 8, 1024),
                   max_rehearsal_tokens=_whole("max_rehearsal_tokens", max_rehearsal_tokens, 8, 2048))
     try:

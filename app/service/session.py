@@ -58,6 +58,10 @@ class ProgressPolicy:
         self._say("act", f"Act: proposing {k} candidate action(s)")
         return self.inner.act(prompt, k, config)
 
+    def act_each(self, prompts, config):
+        self._say("act", f"Act: {len(prompts)} alternative action(s), one per tool")
+        return self.inner.act_each(prompts, config)
+
     def rehearse(self, prompts, config):
         self._say("rehearse", f"Rehearse: predicting {len(prompts)} tool response(s)")
         return self.inner.rehearse(prompts, config)

@@ -192,7 +192,7 @@ def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
     classes = "ea-card ea-committed" if b.chosen else "ea-card"
     badge = '<span class="ea-badge ea-badge-committed">✓ committed</span>' if b.chosen else \
         '<span class="ea-badge">not committed</span>'
-    origin = "sampled" if b.sampled else "greedy"
+    origin = "alternative" if b.sampled else "greedy"  # sampled, or forced onto another tool (`proposal`)
     dup = f" · proposed {b.duplicates + 1}×" if b.duplicates else ""
     if b.metrics.exact is False:
         badge += ' <span class="ea-badge ea-badge-diverged" title="the rehearsal did not predict the actual response">prediction diverged</span>'
@@ -317,7 +317,7 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"turns {turns} · success {success}  \n"
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
-            f"context {s.rehearsal_context} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
+            f"context {s.rehearsal_context} · candidates {s.proposal} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
 
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",

@@ -47,6 +47,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             with gr.Row():
                 branches = gr.Number(d["branches"], label="K (branches)", info="1-16")
                 temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05, label="Temperature")
+            proposal = gr.Radio(list(C.PROPOSALS), value=d["proposal"], label="Candidates",
+                                info="sample: K-1 alternatives sampled at the temperature; tools: a call to "
+                                     "each of the K-1 other tools the model ranks first")
             # What a first run never needs to touch waits in Advanced: a shorter left column.
             with gr.Accordion("Advanced", open=False):
                 seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
@@ -88,7 +91,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     form = {"source": source, "task": task, "instruction": instruction, "instruction_env": instruction_env,
             "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
             "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
-            "tool_choice": tool_choice, "constrain": constrain, "max_action_tokens": max_action_tokens,
+            "tool_choice": tool_choice, "proposal": proposal, "constrain": constrain, "max_action_tokens": max_action_tokens,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
