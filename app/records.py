@@ -145,6 +145,9 @@ class RunSettings(BaseModel):
     the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
     first. `sample` stays the default: on the card's held-out protocol `tools` did not raise call
     accuracy or turn success with the shipped adapter (README, Evaluation)."""
+    relevance: float = Field(0.0, ge=0.0, le=4.0)
+    """Weight of the noisy-channel score log P(request | tool) in the step's tool ranking (`app.engine.proposals`);
+    0 leaves the tool to the greedy action."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""
@@ -157,8 +160,9 @@ class RunSettings(BaseModel):
     def from_stored(cls, values: dict[str, Any]) -> "RunSettings":
         """Settings read back from a store or a file: those written before `constrain` existed
         were decoded freely, so a missing `constrain` means False there (not the new default); those
-        written before `proposal` existed sampled their alternatives (the default)."""
-        return cls(**{"constrain": False, **values})
+        written before `proposal` existed sampled their alternatives (the default); those written before
+        `relevance` existed ranked no tools (0)."""
+        return cls(**{"constrain": False, "relevance": 0.0, **values})
 
 
 class Episode(BaseModel):

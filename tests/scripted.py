@@ -17,13 +17,17 @@ class ScriptedPolicy:
 
     def __init__(self, actions: list[list[str]], predict: Callable[[str], Any] | None = None,
                  judge: Callable[[str], float] | None = None, name_scores: dict[str, float] | None = None,
-                 arguments: dict[str, dict[str, Any]] | None = None) -> None:
+                 arguments: dict[str, dict[str, Any]] | None = None,
+                 relevance: dict[str, float] | None = None) -> None:
         """`actions[i]` are the candidates of the i-th act() call (padded by repeating the last).
         `name_scores`: the log-probability `score` gives a tool name (the `tools` proposal ranks by it);
-        `arguments`: what `act_each` writes for a call forced onto a tool (default none)."""
+        `arguments`: what `act_each` writes for a call forced onto a tool (default none);
+        `relevance`: the log-probability `score` gives the request after a tool's channel prompt (default -5)."""
         self.actions = list(actions)
         self.name_scores = name_scores or {}
         self.arguments = arguments or {}
+        self.relevance = relevance or {}
+        self.relevance_calls = 0
         self.act_each_calls: list[list[Prompt]] = []
         self.predict = predict or (lambda prompt_text: {"ok": True})
         self.judge = judge or (lambda prompt_text: 0.5)
@@ -70,8 +74,13 @@ class ScriptedPolicy:
         import math
 
         out = []
+        if prompts and prompts[0].messages[-1]["content"].startswith("Tool `"):
+            self.relevance_calls += 1
         for p, c in zip(prompts, continuations):
-            if c in ("yes", "no"):
+            content = p.messages[-1]["content"]
+            if content.startswith("Tool `"):  # the noisy channel's prompt (`proposals.relevance`)
+                out.append([self.relevance.get(content.split("`")[1], -5.0)])
+            elif c in ("yes", "no"):
                 p_yes = min(max(self.judge(p.messages[-1]["content"]), 1e-6), 1 - 1e-6)
                 out.append([math.log(p_yes if c == "yes" else 1 - p_yes)])
             elif c.endswith('"') and c[:-1] in self.name_scores:  # a tool name, for the `tools` proposal

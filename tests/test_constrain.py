@@ -305,14 +305,15 @@ def test_jump_forward_keeps_sampled_candidates(policy: Any) -> None:
 def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> None:
     """`proposal=tools` on the real model: K candidates that name K distinct tools, the alternatives in the
     order `rank_tools` gives, each schema-valid for its tool."""
-    from app.engine.proposals import distinct_tools, rank_tools
+    from app.engine.proposals import propose, rank_tools
 
     config = GenerationConfig(max_new_tokens=96, temperature=0.8, seed=0, stop=ACT_STOP)
     for tools, prompt in first_prompts(policy, 2, prefill=TOOL_CALL_OPEN):
-        gens = distinct_tools(policy, prompt, tools, 4, config)
+        gens, log_p = propose(policy, prompt, tools, 4, config, "tools")
+        assert log_p == {}  # no relevance weight: the tools are ranked but no branch carries a tool score
         for gen in gens:
             assert_valid_call(gen.text, tools)
         names = [parse_action(g.text).call.name for g in gens]
         assert len(names) == 4 and len(set(names)) == 4, names
-        ranked = [t.name for t, _ in rank_tools(policy, prompt, tools)]
+        ranked = [r.tool.name for r in rank_tools(policy, prompt, tools)]
         assert names[1:] == [n for n in ranked if n != names[0]][:3]

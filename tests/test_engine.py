@@ -1,5 +1,6 @@
 """Engine control flow with a scripted policy (canned text) on the mock key-value environment."""
 import json
+import math
 
 import pytest
 
@@ -295,3 +296,51 @@ def test_step_scratch_state_does_not_outlive_the_step():
     r.step()
     r.step()
     assert set(vars(r)) == before  # prompts, forks and the dedup table live in the step's context
+
+
+def test_relevance_re_aims_the_primary_at_the_best_ranked_tool():
+    """`relevance` > 0: tools rank by direct + weight * log P(request | tool); the greedy action's call is
+    replaced by a greedy call to the top tool, which carries its log-probability under the ranking. The
+    channel pass runs once per turn (same request, same tools)."""
+    r, policy = runner([[call("list_keys")], [call("list_keys")]],
+                       settings=RunSettings(mode="none", branches=1, relevance=1.0), name_scores=RANKS,
+                       relevance={"set": 0.0}, arguments={"set": {"key": "a", "value": 1}})
+    first, second = r.step(), r.step()
+    assert [b.call.name for b in first.branches] == ["set"]
+    assert not first.branches[0].sampled  # the primary, re-aimed: not an alternative
+    assert r.env.state()["MockKV"]["store"]["a"] == 1  # committed for real
+    # set: -0.3 + 0; every other tool loses 5 nats of relevance (the scripted default)
+    scores = [RANKS.get(t.name, -0.5) + (0.0 if t.name == "set" else -5.0) for t in r.env.tools()]
+    expected = -0.3 - math.log(sum(math.exp(x) for x in scores))
+    assert first.branches[0].scores["tool"] == pytest.approx(expected, abs=1e-4) and expected > -0.05
+    assert second.turn == first.turn and policy.relevance_calls == 1
+
+
+def test_relevance_leaves_a_plain_answer_alone():
+    r, policy = runner([["All done."]], settings=RunSettings(mode="none", branches=1, relevance=1.0),
+                       name_scores=RANKS, relevance={"set": 0.0})
+    step = r.step()
+    assert step.kind == "answer" and policy.act_each_calls == [] and "tool" not in step.branches[0].scores
+
+
+def test_relevance_ranking_lets_a_foreseen_error_move_the_commit_to_the_next_tool():
+    """Parallel, `tools`, logprob: the selector adds each call's tool log-probability. Near a tie, a
+    rehearsal that predicts an error for the top tool commits the runner-up; without it, the top tool.
+    Scores: set -0.1 (act) + log p(set); get -0.3 (act) + log p(get), 0.1 lower: 0.3 apart, under the 0.5 penalty."""
+    def run(predict):
+        r, _ = runner([[call("set", key="a", value=1)]],
+                      settings=RunSettings(mode="parallel", branches=2, proposal="tools", selector="logprob",
+                                           relevance=1.0),
+                      name_scores=RANKS, relevance={"set": 0.0, "get": -0.3}, arguments={"get": {"key": "size"}},
+                      predict=predict)
+        step = r.step()
+        return [b.call.name for b in step.branches], step.chosen_branch.call.name
+
+    assert run(lambda text: {"ok": True}) == (["set", "get"], "set")
+    assert run(lambda text: {"error": "no such key"} if '"set"' in text else {"value": "L"}) == (["set", "get"], "get")
+
+
+def test_stored_settings_without_relevance_ranked_no_tools():
+    old = RunSettings(relevance=0.5).model_dump()
+    del old["relevance"]
+    assert RunSettings.from_stored(old).relevance == 0.0

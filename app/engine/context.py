@@ -40,6 +40,8 @@ class StepContext:
     """Branch index -> whether the predicted response parsed."""
     forks: dict[int, Environment] = field(default_factory=dict)
     """Branch index -> the fork a fork-executing rehearser ran the call on."""
+    tool_log_p: dict[str, float] = field(default_factory=dict)
+    """Tool name -> its log-probability under the step's tool ranking (`proposals`), when tools were ranked."""
 
     tools: dict[str, Tool] = field(init=False)
     """`tools_list` by name."""

@@ -1,20 +1,35 @@
-"""How a step's K candidates come to differ (`RunSettings.proposal`).
+"""Which tool a step calls, and how its K candidates come to differ.
 
-- `sample`: the greedy action, then K-1 actions sampled at the temperature. With a small
-  model the samples mostly repeat the greedy tool with other arguments, so the selector
-  chooses among variations of one guess.
-- `tools`: the greedy action, then one greedy call to each of the K-1 tools the model
-  ranks next (P(tool name | prompt, `<tool_call>{"name": "`), one batched scoring pass).
-  The candidates name K distinct tools: the model's own alternatives, each with its best
-  arguments, so rehearsal compares different ideas. On held-out BFCL the expert's tool is
-  the model's first choice at one call step in five but in its top three at one in two
-  (teacher-forced): the gap this aims at. Measured on the card's protocol with the shipped
-  adapter it did not raise call accuracy (README, Evaluation), so `sample` stays the default.
+Tool ranking. A small model's first choice of tool is often wrong while the right tool is
+close behind (teacher-forced on held-out BFCL, the expert's tool is the shipped adapter's
+first choice at 49 of 154 expert call steps, in its top three at 99). Two scores from the
+model's own weights rank the tools of a step:
 
-A tool-forced alternative keeps the token log-probabilities of its tool name (from the
-ranking pass) ahead of its generated ones, so `logprob` still compares whole calls.
+- `direct`: log P(tool name | Act prompt, `<tool_call>{"name": "`), one batched scoring pass;
+- `relevance`: log P(user request | a line describing the tool), the noisy channel
+  (Min et al. 2022, "Noisy Channel Language Model Prompting"): how well each tool explains
+  the request, which a direct model biased toward frequent names does not weigh. One batched
+  pass per user turn (the request and the tools stay the same within a turn).
+
+A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance` > 0 the
+step's primary call is re-aimed at the top-scoring tool when the greedy action calls
+another (the greedy action still decides between calling and answering), and every call
+branch carries its tool's log-probability under the ranking (`Branch.scores["tool"]`), which
+the `logprob` selector adds (`selection`).
+
+Candidates (`RunSettings.proposal`):
+- `sample`: the primary, then K-1 actions sampled at the temperature. With a small model
+  the samples mostly repeat the primary's tool with other arguments.
+- `tools`: the primary, then one greedy call to each of the K-1 next tools of the ranking,
+  so rehearsal compares different ideas.
+
+A tool-forced call keeps the token log-probabilities of its tool name (from the ranking
+pass) ahead of its generated ones when unconstrained, so `logprob` still compares whole calls.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 from app.envs.base import Tool
 from app.formats import TOOL_CALL_OPEN, act_constraint, parse_action
@@ -22,6 +37,23 @@ from model_backend.base import Generation, GenerationConfig, Policy, Prompt
 
 NAME_OPEN = '{"name": "'
 """How a call's JSON starts (`formats.call_text`): the name follows."""
+TOOL_SCORE = "tool"
+"""`Branch.scores` key: the branch's tool's `RankedTool.log_p`."""
+RELEVANCE_PROMPT = "Tool `{name}`: {description}\nWrite a request a user could make that needs this tool."
+"""The channel's prompt: the request is scored as this message's reply."""
+
+
+@dataclass
+class RankedTool:
+    tool: Tool
+    name_logprobs: list[float]
+    """Token log-probabilities of the name (closing quote included) after `<tool_call>{"name": "`."""
+    relevance: float
+    """log P(request | tool), 0.0 when not computed."""
+    score: float
+    """`sum(name_logprobs) + weight * relevance`: the ranking key."""
+    log_p: float = 0.0
+    """log of the score's softmax over the step's tools: what the selector adds."""
 
 
 def opened(prompt: Prompt) -> str:
@@ -29,13 +61,31 @@ def opened(prompt: Prompt) -> str:
     return prompt.prefill if prompt.prefill.endswith(TOOL_CALL_OPEN) else prompt.prefill + TOOL_CALL_OPEN
 
 
-def rank_tools(policy: Policy, prompt: Prompt, tools: list[Tool]) -> list[tuple[Tool, list[float]]]:
-    """`tools` with the token log-probabilities of each name (closing quote included) right after
-    `<tool_call>{"name": "`, most likely first (ties keep the prompt's order)."""
+def relevance(policy: Policy, request: str, tools: list[Tool]) -> dict[str, float]:
+    """log P(`request` | a line describing the tool) per tool name, one batched scoring pass."""
+    if not request.strip() or not tools:
+        return {t.name: 0.0 for t in tools}
+    prompts = [Prompt([{"role": "user", "content": RELEVANCE_PROMPT.format(name=t.name, description=t.description)}])
+               for t in tools]
+    logprobs = policy.score(prompts, [request] * len(tools))
+    return {t.name: sum(lps) for t, lps in zip(tools, logprobs)}
+
+
+def rank_tools(policy: Policy, prompt: Prompt, tools: list[Tool], relevance_by_name: dict[str, float] | None = None,
+               weight: float = 0.0) -> list[RankedTool]:
+    """`tools` by `direct + weight * relevance`, best first (ties keep the prompt's order)."""
     ranking = Prompt(prompt.messages, prefill=opened(prompt) + NAME_OPEN)
     logprobs = policy.score([ranking] * len(tools), [t.name + '"' for t in tools])
-    order = sorted(range(len(tools)), key=lambda i: -sum(logprobs[i]))
-    return [(tools[i], logprobs[i]) for i in order]
+    rel = relevance_by_name or {}
+    ranked = [RankedTool(t, lps, rel.get(t.name, 0.0), sum(lps) + weight * rel.get(t.name, 0.0))
+              for t, lps in zip(tools, logprobs)]
+    ranked.sort(key=lambda r: -r.score)
+    if ranked:
+        top = ranked[0].score
+        log_z = top + math.log(sum(math.exp(r.score - top) for r in ranked))
+        for r in ranked:
+            r.log_p = r.score - log_z
+    return ranked
 
 
 def forced_tool_prompt(prompt: Prompt, tool: Tool) -> Prompt:
@@ -48,23 +98,44 @@ def forced_tool_prompt(prompt: Prompt, tool: Tool) -> Prompt:
                   constraint=None)
 
 
-def distinct_tools(policy: Policy, prompt: Prompt, tools: list[Tool], k: int,
-                   config: GenerationConfig) -> list[Generation]:
-    """The greedy action, then greedy calls to the K-1 most likely tools it does not call."""
-    greedy = policy.act(prompt, 1, config)
-    if k < 2 or len(tools) < 2:
-        return greedy
-    first = parse_action(greedy[0].text)
-    taken = first.call.name if first.kind == "call" and first.call is not None else None
-    ranked = [(t, lps) for t, lps in rank_tools(policy, prompt, tools) if t.name != taken][: k - 1]
-    alternatives = policy.act_each([forced_tool_prompt(prompt, t) for t, _ in ranked],
-                                   GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=0.0,
-                                                    seed=config.seed, stop=config.stop))
-    out = list(greedy)
-    for (tool, name_lps), gen in zip(ranked, alternatives):
-        lps = gen.token_logprobs if prompt.constraint is not None else name_lps + gen.token_logprobs
-        out.append(Generation(gen.text, lps, gen.finished, sampled=True))
-    return out
+def called_tool(generation: Generation) -> str | None:
+    parsed = parse_action(generation.text)
+    return parsed.call.name if parsed.kind == "call" and parsed.call is not None else None
 
 
-__all__ = ["NAME_OPEN", "distinct_tools", "forced_tool_prompt", "rank_tools"]
+def forced_calls(policy: Policy, prompt: Prompt, ranked: list[RankedTool], config: GenerationConfig,
+                 sampled: bool = True) -> list[Generation]:
+    """One greedy call to each ranked tool, in one batch."""
+    if not ranked:
+        return []
+    gens = policy.act_each([forced_tool_prompt(prompt, r.tool) for r in ranked],
+                           GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=0.0,
+                                            seed=config.seed, stop=config.stop))
+    return [Generation(gen.text, gen.token_logprobs if prompt.constraint is not None else r.name_logprobs + gen.token_logprobs,
+                       gen.finished, sampled=sampled) for r, gen in zip(ranked, gens)]
+
+
+def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: GenerationConfig, proposal: str,
+            relevance_by_name: dict[str, float] | None = None,
+            weight: float = 0.0) -> tuple[list[Generation], dict[str, float]]:
+    """The step's K candidates and, when tools were ranked, each tool's `log_p` by name."""
+    distinct = proposal == "tools" and k > 1 and len(tools) > 1
+    retool = weight > 0 and len(tools) > 1
+    gens = policy.act(prompt, 1 if distinct else k, config)
+    if not (distinct or retool):
+        return gens, {}
+    taken = called_tool(gens[0])
+    if taken is None and not distinct:  # the greedy action answers (or failed to parse): nothing to re-aim
+        return gens, {}
+    ranked = rank_tools(policy, prompt, tools, relevance_by_name, weight)
+    log_p = {r.tool.name: r.log_p for r in ranked} if weight > 0 else {}
+    if taken is not None and retool and ranked[0].tool.name != taken:
+        gens[0] = forced_calls(policy, prompt, ranked[:1], config, sampled=False)[0]
+        taken = ranked[0].tool.name
+    if not distinct:
+        return gens, log_p
+    others = [r for r in ranked if r.tool.name != taken][: k - 1]
+    return [gens[0], *forced_calls(policy, prompt, others, config)], log_p
+
+
+__all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "forced_tool_prompt", "propose", "rank_tools", "relevance"]

@@ -23,8 +23,9 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import proposals, strategies
 from app.engine.context import StepContext
-from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, turn_messages,
-                                with_typed_turns)
+from app.engine.proposals import TOOL_SCORE
+from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, latest_request,
+                                turn_messages, with_typed_turns)
 from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
@@ -74,6 +75,7 @@ class EpisodeRunner:
         """Steps whose response differed when `resume` executed them again."""
         self.typed_turns: dict[int, str] = {}
         """User turns a person typed (`add_user_turn`), by turn index."""
+        self._relevance_cache: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
@@ -247,12 +249,22 @@ class EpisodeRunner:
 
     def generate(self, ctx: StepContext, k: int, *, memory: list[tuple[Any, Any]] | None = None,
                  attempt: int = 0) -> list[Generation]:
-        """K Act candidates for this step, with private rehearsals in view when `memory`; how they differ
-        is `settings.proposal` (`proposals`)."""
+        """K Act candidates for this step, with private rehearsals in view when `memory`; which tool the
+        primary calls (`settings.relevance`) and how the others differ (`settings.proposal`): `proposals`."""
         prompt, config = self._act_prompt(ctx.tools_list, memory), self._act_config(ctx.index, attempt)
-        if self.settings.proposal == "tools" and k > 1:
-            return proposals.distinct_tools(self.policy, prompt, ctx.tools_list, k, config)
-        return self.policy.act(prompt, k, config)
+        weight = self.settings.relevance
+        generations, log_p = proposals.propose(self.policy, prompt, ctx.tools_list, k, config, self.settings.proposal,
+                                               self._relevance(ctx.tools_list) if weight > 0 else None, weight)
+        ctx.tool_log_p.update(log_p)
+        return generations
+
+    def _relevance(self, tools: list[Tool]) -> dict[str, float]:
+        """`proposals.relevance` for the open turn's request, computed once per (request, tools)."""
+        request = latest_request(self.history)
+        key = (request, tuple(t.name for t in tools))
+        if key not in self._relevance_cache:
+            self._relevance_cache = {key: proposals.relevance(self.policy, request, tools)}
+        return self._relevance_cache[key]
 
     @staticmethod
     def key_of(generation: Generation) -> str:
@@ -273,6 +285,8 @@ class EpisodeRunner:
             branch = Branch(index=len(ctx.branches) + len(out), action_text=gen.text, kind=parsed.kind,
                             call=parsed.call, parse_error=parsed.error, sampled=gen.sampled,
                             act_logprob=round(gen.mean_logprob, 5) if gen.token_logprobs else None)
+            if parsed.call is not None and parsed.call.name in ctx.tool_log_p:
+                branch.scores[TOOL_SCORE] = round(ctx.tool_log_p[parsed.call.name], 5)
             ctx.seen[key] = branch
             out.append(branch)
         return out

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from app.divergence import is_error
 from app.engine.context import StepContext
 from app.engine.history import latest_request
+from app.engine.proposals import TOOL_SCORE
 from app.formats import HistoryItem, call_text, judge_prompt
 from app.records import Branch
 from model_backend.base import NO_PROMPT_LOGPROBS, Policy, RemoteCapabilityError, supports_scoring
@@ -100,7 +101,9 @@ class LogprobSelector:
     name = score_key = "logprob"
 
     def score(self, ctx: StepContext, branches: list[Branch]) -> None:
-        apply_scores(branches, "logprob", [b.act_logprob if b.act_logprob is not None else 0.0 for b in branches])
+        # With tools ranked (`RunSettings.relevance`), a call's tool's log-probability under the ranking counts too.
+        apply_scores(branches, "logprob", [(b.act_logprob if b.act_logprob is not None else 0.0)
+                                           + b.scores.get(TOOL_SCORE, 0.0) for b in branches])
 
     def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
         return choose(branches, self.score_key)
