@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per episode")
     parser.add_argument("--ks", default="1,4")
     parser.add_argument("--proposal", choices=PROPOSALS, default="sample", help="how K candidates differ")
+    parser.add_argument("--relevance", type=float, default=RunSettings.model_fields["relevance"].default,
+                        help="weight of log P(request | tool) in the tool ranking")
     args = parser.parse_args()
 
     import model_backend
@@ -84,7 +86,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for k in [int(k) for k in args.ks.split(",")]:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
-                               proposal=args.proposal)
+                               proposal=args.proposal, relevance=args.relevance)
         runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         totals: list[float] = []
@@ -115,6 +117,7 @@ def main() -> None:
     figure(rows)
     write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
+                                   "relevance": args.relevance,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})
 
 

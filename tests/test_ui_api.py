@@ -61,7 +61,7 @@ def form(**overrides):
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
                   rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
-                  proposal=d["proposal"],
+                  proposal=d["proposal"], relevance=d["relevance"],
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
@@ -109,6 +109,8 @@ def test_step_with_tool_alternatives(app):
     ({"branches": 100}, "K (branches) must be a whole number from 1 to 16; got 100."),
     ({"seed": -1}, "Seed must be a whole number from 0 to 2147483647; got -1."),
     ({"seed": 2**31}, "Seed must be a whole number from 0 to 2147483647"),
+    ({"relevance": 5}, "Tool relevance must be a number from 0 to 4; got 5."),
+    ({"relevance": -0.5}, "Tool relevance must be a number from 0 to 4; got -0.5."),
     ({"task": ""}, "No task selected"),
     ({"task": "bfcl:no_such_task_1"}, "no_such_task"),
     ({"source": C.SOURCE_INSTRUCTION, "instruction": "  "}, "The instruction is empty"),

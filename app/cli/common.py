@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from app.config import DEFAULT_MODEL, default_db_path
-from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES, RunSettings
 
 
 class UserError(Exception):
@@ -29,6 +29,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposal", choices=PROPOSALS, default="sample",
                    help="how the K candidates differ: `tools` calls the K tools the model ranks first (greedy "
                         "arguments), `sample` samples K-1 alternatives at the temperature")
+    p.add_argument("--relevance", type=float, default=RunSettings.model_fields["relevance"].default,
+                   help="weight of log P(request | tool) in the step's tool ranking (0-4); 0: the greedy action "
+                        "picks the tool")
     p.add_argument("--constrain", choices=("on", "off"), default="on",
                    help="schema-constrained Act and Rehearse decoding (local models): `off` decodes freely")
     p.add_argument("--max-steps", type=int, default=None, help="step budget per user turn (default: the task's)")

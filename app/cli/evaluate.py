@@ -90,7 +90,8 @@ def _config(args: argparse.Namespace):
                      best_of_k=not args.no_best_of_k, seed=args.seed, model=args.model,
                      adapter=_adapter(args.model, args.adapter), selector=args.selector, temperature=args.temperature,
                      shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
-                     tool_choice=args.tool_choice, proposal=args.proposal, constrain=args.constrain == "on",
+                     tool_choice=args.tool_choice, proposal=args.proposal, relevance=args.relevance,
+                     constrain=args.constrain == "on",
                      max_steps_per_turn=args.max_steps, max_turns=args.max_turns,
                      max_action_tokens=args.max_action_tokens, max_rehearsal_tokens=args.max_rehearsal_tokens,
                      state_probe=args.state_probe)

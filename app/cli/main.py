@@ -85,7 +85,7 @@ def settings_from_args(args: argparse.Namespace):
         return RunSettings(mode=args.mode, branches=1 if args.mode == "none" else args.branches,
                            selector=args.selector, seed=args.seed, temperature=args.temperature,
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
-                           tool_choice=args.tool_choice, proposal=args.proposal,
+                           tool_choice=args.tool_choice, proposal=args.proposal, relevance=args.relevance,
                            constrain=args.constrain == "on",
                            max_steps_per_turn=args.max_steps,
                            max_action_tokens=args.max_action_tokens,

@@ -55,6 +55,8 @@ class EvalConfig:
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
     proposal: str = "sample"
     """How the K candidates differ (RunSettings.proposal)."""
+    relevance: float = RunSettings.model_fields["relevance"].default
+    """Weight of the noisy-channel score in the tool ranking (RunSettings.relevance)."""
     constrain: bool = True
     """Schema-constrained Act and Rehearse decoding (RunSettings.constrain)."""
     max_steps_per_turn: int | None = None
@@ -69,7 +71,7 @@ class EvalConfig:
         """Row key -> RunSettings, in table order (validates like the CLI's `run`)."""
         base = dict(seed=self.seed, temperature=self.temperature, selector=self.selector, shadow=self.shadow,
                     rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice, proposal=self.proposal,
-                    constrain=self.constrain,
+                    relevance=self.relevance, constrain=self.constrain,
                     max_steps_per_turn=self.max_steps_per_turn,
                     max_action_tokens=self.max_action_tokens, max_rehearsal_tokens=self.max_rehearsal_tokens)
         rows = {mode: RunSettings(mode=mode, branches=1 if mode == "none" else self.branches, **base)

@@ -51,7 +51,8 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 
 
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
-                   rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample", constrain: bool = True,
+                   rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample",
+                   relevance: Any = RunSettings.model_fields["relevance"].default, constrain: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""
@@ -61,6 +62,7 @@ def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any,
     values = dict(mode=mode, branches=1 if mode == "none" else k, selector=selector,
                   seed=_whole("seed", seed, 0, 2**31 - 1), shadow=bool(shadow),
                   rehearsal_context=rehearsal_context, tool_choice=tool_choice, proposal=proposal,
+                  relevance=parse_number("Tool relevance", relevance, 0, 4, whole=False),
                   constrain=bool(constrain),
                   max_action_tokens=_whole("max_action_tokens", max_action_tokens, 8, 1024),
                   max_rehearsal_tokens=_whole("max_rehearsal_tokens", max_rehearsal_tokens, 8, 2048))

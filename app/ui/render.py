@@ -317,7 +317,7 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"turns {turns} · success {success}  \n"
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
-            f"context {s.rehearsal_context} · candidates {s.proposal} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
+            f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
 
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",

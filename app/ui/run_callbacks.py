@@ -30,7 +30,7 @@ def request_from_form(form: dict[str, Any]) -> RunRequest:
         mode=form["mode"], branches=form["branches"], selector=form["selector"],
         temperature=form["temperature"], seed=form["seed"], shadow=form["shadow"],
         rehearsal_context=form["rehearsal_context"], tool_choice=form["tool_choice"],
-        proposal=form["proposal"], constrain=bool(form["constrain"]),
+        proposal=form["proposal"], relevance=form["relevance"], constrain=bool(form["constrain"]),
         max_action_tokens=form["max_action_tokens"], max_rehearsal_tokens=form["max_rehearsal_tokens"])
     model = (form["model"] or "").strip()
     if not model:
@@ -53,7 +53,7 @@ def form_from_request(request: RunRequest) -> dict[str, Any]:
             "adapter": request.adapter or C.NO_ADAPTER, "mode": s.mode, "branches": s.branches,
             "selector": s.selector, "temperature": s.temperature, "seed": s.seed, "shadow": s.shadow,
             "rehearsal_context": s.rehearsal_context, "tool_choice": s.tool_choice,
-            "proposal": s.proposal, "constrain": s.constrain, "max_action_tokens": s.max_action_tokens,
+            "proposal": s.proposal, "relevance": s.relevance, "constrain": s.constrain, "max_action_tokens": s.max_action_tokens,
             "max_rehearsal_tokens": s.max_rehearsal_tokens}
 
 

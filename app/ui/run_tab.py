@@ -50,6 +50,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             proposal = gr.Radio(list(C.PROPOSALS), value=d["proposal"], label="Candidates",
                                 info="sample: K-1 alternatives sampled at the temperature; tools: a call to "
                                      "each of the K-1 other tools the model ranks first")
+            relevance = gr.Number(d["relevance"], label="Tool relevance",
+                                  info="0-4: weight of log P(request | tool) when ranking tools; 0: the greedy "
+                                       "action picks the tool")
             # What a first run never needs to touch waits in Advanced: a shorter left column.
             with gr.Accordion("Advanced", open=False):
                 seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
@@ -91,7 +94,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     form = {"source": source, "task": task, "instruction": instruction, "instruction_env": instruction_env,
             "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
             "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
-            "tool_choice": tool_choice, "proposal": proposal, "constrain": constrain, "max_action_tokens": max_action_tokens,
+            "tool_choice": tool_choice, "proposal": proposal, "relevance": relevance, "constrain": constrain, "max_action_tokens": max_action_tokens,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
