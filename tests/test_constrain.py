@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import jsonschema
@@ -317,3 +318,24 @@ def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> Non
         assert len(names) == 4 and len(set(names)) == 4, names
         ranked = [r.tool.name for r in rank_tools(policy, prompt, tools)]
         assert names[1:] == [n for n in ranked if n != names[0]][:3]
+
+
+@pytest.mark.slow
+def test_relevance_re_aims_the_primary_at_the_top_ranked_tool(policy: Any) -> None:
+    """With `relevance` on the real model: one finite log P(request | tool) per tool, and the primary is a
+    schema-valid call to the tool that ranks first by direct + weight * relevance."""
+    from app.engine.proposals import propose, rank_tools, relevance
+
+    config = GenerationConfig(max_new_tokens=96, temperature=0.0, seed=0, stop=ACT_STOP)
+    tools, prompt = first_prompts(policy, 1, prefill=TOOL_CALL_OPEN)[0]
+    request = prompt.messages[-1]["content"]
+    rel = relevance(policy, request, tools)
+    assert sorted(rel) == sorted(t.name for t in tools)
+    assert all(math.isfinite(v) and v < 0 for v in rel.values())
+    ranked = rank_tools(policy, prompt, tools, rel, 0.5)
+    assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
+    assert sum(math.exp(r.log_p) for r in ranked) == pytest.approx(1.0)
+    gens, log_p = propose(policy, prompt, tools, 1, config, "sample", rel, 0.5)
+    assert_valid_call(gens[0].text, tools)
+    assert parse_action(gens[0].text).call.name == ranked[0].tool.name
+    assert log_p == {r.tool.name: r.log_p for r in ranked}
