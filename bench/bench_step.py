@@ -20,7 +20,7 @@ from common import RESULTS, write_results
 from tqdm import tqdm
 
 from app import envs
-from app.config import SHIPPED_ADAPTER
+from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER
 from app.engine import EpisodeRunner
 from app.records import PROPOSALS, RunSettings
 from app.store import Recorder, Store
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per episode")
     parser.add_argument("--ks", default="1,4")
     parser.add_argument("--proposal", choices=PROPOSALS, default="sample", help="how K candidates differ")
-    parser.add_argument("--relevance", type=float, default=RunSettings.model_fields["relevance"].default,
+    parser.add_argument("--relevance", type=float, default=DEFAULT_RELEVANCE,
                         help="weight of log P(request | tool) in the tool ranking")
     args = parser.parse_args()
 

@@ -344,3 +344,19 @@ def test_stored_settings_without_relevance_ranked_no_tools():
     old = RunSettings(relevance=0.5).model_dump()
     del old["relevance"]
     assert RunSettings.from_stored(old).relevance == 0.0
+
+
+def test_relevance_is_off_for_a_policy_that_cannot_score():
+    """A server without prompt log-probabilities cannot rank tools: the episode runs with the greedy
+    action's tool, and its stored settings say relevance 0."""
+    class NoScores(ScriptedPolicy):
+        supports_scoring = False
+
+        def score(self, prompts, continuations):
+            raise AssertionError("score must not be called")
+
+    task = envs.load_task("mock:kv")
+    policy = NoScores([[call("list_keys")]], relevance={"set": 0.0})
+    r = EpisodeRunner(task, policy, RunSettings(mode="none", branches=1, relevance=0.5))
+    step = r.step()
+    assert step.chosen_branch.call.name == "list_keys" and r.episode.settings.relevance == 0.0

@@ -69,8 +69,9 @@ def no_model():
 
 
 def config(**overrides) -> EvalConfig:
+    # relevance 0: the scripted candidates are the test's own (no tool ranking re-aims them)
     values = dict(task_ids=["mock:kv"], modes=["none", "parallel", "sequential"], branches=3, model="scripted",
-                  state_probe=8)
+                  state_probe=8, relevance=0.0)
     values.update(overrides)
     return EvalConfig(**values)
 

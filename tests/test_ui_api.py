@@ -61,7 +61,7 @@ def form(**overrides):
                   model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
                   temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
                   rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
-                  proposal=d["proposal"], relevance=d["relevance"],
+                  proposal=d["proposal"], relevance=0,  # the scripted candidates stay the test's own
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
@@ -102,6 +102,15 @@ def test_step_with_tool_alternatives(app):
     assert cards.count('data-branch=') == 3 and "3 proposed → 3 unique" in cards
     names = re.findall(r'class="ea-action">(\w+)\(', cards)
     assert names[0] == "ls" and len(set(names[:3])) == 3, names
+
+
+def test_step_with_tool_relevance(app):
+    """Tool relevance on: the episode's settings say so, and each call's card shows its tool's score
+    under the ranking."""
+    c = client(app)
+    message, status, chat, timeline, cards, state = c.predict(**form(relevance=1), api_name="/step")
+    assert "ea-msg-error" not in message and "relevance 1" in status
+    assert re.search(r"scores: tool -?\d+\.\d{3}", cards), cards
 
 
 @pytest.mark.parametrize("overrides, expected", [

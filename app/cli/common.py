@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.config import DEFAULT_MODEL, default_db_path
-from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES, RunSettings
+from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, default_db_path
+from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 
 
 class UserError(Exception):
@@ -29,7 +29,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposal", choices=PROPOSALS, default="sample",
                    help="how the K candidates differ: `tools` calls the K tools the model ranks first (greedy "
                         "arguments), `sample` samples K-1 alternatives at the temperature")
-    p.add_argument("--relevance", type=float, default=RunSettings.model_fields["relevance"].default,
+    p.add_argument("--relevance", type=float, default=DEFAULT_RELEVANCE,
                    help="weight of log P(request | tool) in the step's tool ranking (0-4); 0: the greedy action "
                         "picks the tool")
     p.add_argument("--constrain", choices=("on", "off"), default="on",

@@ -31,7 +31,8 @@ from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
                          parse_action, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
-from model_backend.base import Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError, Timings
+from model_backend.base import (Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError, Timings,
+                                supports_scoring)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ class EpisodeRunner:
                  model: str | None = None, adapter: str | None = None,
                  on_step: StepCallback | None = None, env: Environment | None = None,
                  judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None) -> None:
+        if settings.relevance > 0 and not supports_scoring(policy):
+            # The ranking scores tool names and requests (prompt log-probabilities); a server without them
+            # runs with the greedy action's tool, and the episode's settings say so.
+            log.warning("%s cannot score prompts: tool relevance off for this episode", policy.name)
+            settings = settings.model_copy(update={"relevance": 0.0})
         self.rehearser: Rehearser = rehearser if rehearser is not None else strategies.rehearser_for(settings)
         """Fills in candidates' responses: the model's prediction, or (real best-of-K) execution on forks."""
         strategies.check_settings(settings, self.rehearser)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from app import envs
+from app.config import DEFAULT_RELEVANCE
 from app.divergence import aggregate, compare
 from app.engine import EpisodeRunner
 from app.engine.oracle import call_matches, oracle_settings
@@ -55,7 +56,7 @@ class EvalConfig:
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
     proposal: str = "sample"
     """How the K candidates differ (RunSettings.proposal)."""
-    relevance: float = RunSettings.model_fields["relevance"].default
+    relevance: float = DEFAULT_RELEVANCE
     """Weight of the noisy-channel score in the tool ranking (RunSettings.relevance)."""
     constrain: bool = True
     """Schema-constrained Act and Rehearse decoding (RunSettings.constrain)."""

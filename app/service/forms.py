@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.config import DEFAULT_RELEVANCE
 from app.formats import parse_action
 from app.records import LABELS, MODES, Annotation, RunSettings
 
@@ -52,7 +53,7 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
                    rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample",
-                   relevance: Any = RunSettings.model_fields["relevance"].default, constrain: bool = True,
+                   relevance: Any = DEFAULT_RELEVANCE, constrain: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app import envs
-from app.config import SHIPPED_ADAPTER, shipped_adapter
+from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare
 from app.eval.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
@@ -101,9 +101,10 @@ class RoundSummary:
 def rollout_settings(seed: int = 0, branches: int = 2) -> RunSettings:
     """Parallel rehearsal, K=2, logprob selector: the cheapest setting that still rehearses every call.
     Constrained decoding (the default) and shadow execution: every non-chosen call also runs on a
-    fork, so each rollout step yields up to K real (call, response) pairs for Rehearse rows."""
+    fork, so each rollout step yields up to K real (call, response) pairs for Rehearse rows. Tools are
+    ranked with the noisy channel (`DEFAULT_RELEVANCE`), as the CLI and the Run tab do."""
     return RunSettings(mode="parallel", branches=branches, selector="logprob", seed=seed, shadow=True,
-                       max_steps_per_turn=4)
+                       max_steps_per_turn=4, relevance=DEFAULT_RELEVANCE)
 
 
 def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int | None,

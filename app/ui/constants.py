@@ -4,8 +4,8 @@ A label a callback compares against lives here once: a drifted copy would be a s
 """
 from __future__ import annotations
 
-from app.config import DEFAULT_MODEL, DEFAULT_TASK
-from app.records import LABELS, MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES, RunSettings
+from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, DEFAULT_TASK
+from app.records import LABELS, MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 from app.trace_io import MAX_IMPORT_BYTES
 
 __all__ = ["LABELS", "MODES", "PROPOSALS", "REHEARSAL_CONTEXTS", "SELECTORS", "TOOL_CHOICES", "DEFAULT_MODEL", "DEFAULT_TASK"]
@@ -34,7 +34,7 @@ UI_DEFAULTS = {
     "rehearsal_context": "history",
     "tool_choice": "required",  # only without the shipped adapter (the bare base model never writes <tool_call>); auto with it
     "proposal": "sample",
-    "relevance": RunSettings.model_fields["relevance"].default,
+    "relevance": DEFAULT_RELEVANCE,
     "constrain": True,
     "max_action_tokens": 64,
     "max_rehearsal_tokens": 96,
