@@ -360,3 +360,16 @@ def test_relevance_is_off_for_a_policy_that_cannot_score():
     r = EpisodeRunner(task, policy, RunSettings(mode="none", branches=1, relevance=0.5))
     step = r.step()
     assert step.chosen_branch.call.name == "list_keys" and r.episode.settings.relevance == 0.0
+
+
+def test_relevance_with_tool_candidates_re_aims_and_forces_in_one_batch():
+    """`tools` + relevance: the re-aimed primary and the K-1 next tools are decoded in one `act_each` batch."""
+    r, policy = runner([[call("list_keys")]],
+                       settings=RunSettings(mode="parallel", branches=3, proposal="tools", selector="logprob",
+                                            relevance=1.0),
+                       name_scores=RANKS, relevance={"set": 0.0, "get": -0.5, "list_keys": -1.0},
+                       arguments={"set": {"key": "a", "value": 1}, "get": {"key": "size"}})
+    step = r.step()
+    assert [b.call.name for b in step.branches] == ["set", "get", "list_keys"]
+    assert [b.sampled for b in step.branches] == [False, True, True]
+    assert len(policy.act_each_calls) == 1 and len(policy.act_each_calls[0]) == 3

@@ -104,21 +104,22 @@ def called_tool(generation: Generation) -> str | None:
 
 
 def forced_calls(policy: Policy, prompt: Prompt, ranked: list[RankedTool], config: GenerationConfig,
-                 sampled: bool = True) -> list[Generation]:
-    """One greedy call to each ranked tool, in one batch."""
+                 primary: bool = False) -> list[Generation]:
+    """One greedy call to each ranked tool, in one batch; all but a `primary` first one are alternatives."""
     if not ranked:
         return []
     gens = policy.act_each([forced_tool_prompt(prompt, r.tool) for r in ranked],
                            GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=0.0,
                                             seed=config.seed, stop=config.stop))
     return [Generation(gen.text, gen.token_logprobs if prompt.constraint is not None else r.name_logprobs + gen.token_logprobs,
-                       gen.finished, sampled=sampled) for r, gen in zip(ranked, gens)]
+                       gen.finished, sampled=not (primary and i == 0))
+            for i, (r, gen) in enumerate(zip(ranked, gens))]
 
 
 def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: GenerationConfig, proposal: str,
             relevance_by_name: dict[str, float] | None = None,
             weight: float = 0.0) -> tuple[list[Generation], dict[str, float]]:
-    """The step's K candidates and, when tools were ranked, each tool's `log_p` by name."""
+    """The step's K candidates and, when tools were ranked with a relevance weight, each tool's `log_p`."""
     distinct = proposal == "tools" and k > 1 and len(tools) > 1
     retool = weight > 0 and len(tools) > 1
     gens = policy.act(prompt, 1 if distinct else k, config)
@@ -129,13 +130,14 @@ def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: G
         return gens, {}
     ranked = rank_tools(policy, prompt, tools, relevance_by_name, weight)
     log_p = {r.tool.name: r.log_p for r in ranked} if weight > 0 else {}
-    if taken is not None and retool and ranked[0].tool.name != taken:
-        gens[0] = forced_calls(policy, prompt, ranked[:1], config, sampled=False)[0]
+    reaim = taken is not None and retool and ranked[0].tool.name != taken
+    if reaim:
         taken = ranked[0].tool.name
-    if not distinct:
-        return gens, log_p
-    others = [r for r in ranked if r.tool.name != taken][: k - 1]
-    return [gens[0], *forced_calls(policy, prompt, others, config)], log_p
+    others = [r for r in ranked if r.tool.name != taken][: k - 1] if distinct else []
+    forced = forced_calls(policy, prompt, ranked[:1] * reaim + others, config, primary=reaim)  # one batch
+    if reaim:
+        gens[0], forced = forced[0], forced[1:]
+    return ([gens[0], *forced] if distinct else gens), log_p
 
 
 __all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "forced_tool_prompt", "propose", "rank_tools", "relevance"]
