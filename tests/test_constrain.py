@@ -338,4 +338,5 @@ def test_relevance_re_aims_the_primary_at_the_top_ranked_tool(policy: Any) -> No
     gens, log_p = propose(policy, prompt, tools, 1, config, "sample", rel, 0.5)
     assert_valid_call(gens[0].text, tools)
     assert parse_action(gens[0].text).call.name == ranked[0].tool.name
-    assert log_p == {r.tool.name: r.log_p for r in ranked}
+    assert log_p == {r.tool.name: r.log_p - ranked[0].log_p for r in ranked}
+    assert log_p[ranked[0].tool.name] == 0.0 and all(v <= 0 for v in log_p.values())

@@ -14,8 +14,10 @@ model's own weights rank the tools of a step:
 A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance` > 0 the
 step's primary call is re-aimed at the top-scoring tool when the greedy action calls
 another (the greedy action still decides between calling and answering), and every call
-branch carries its tool's log-probability under the ranking (`Branch.scores["tool"]`), which
-the `logprob` selector adds (`selection`).
+branch carries its tool's log-probability under the ranking relative to the top tool's
+(`Branch.scores["tool"]`, 0 for the top tool), which the `logprob` selector adds (`selection`):
+an alternative tool is committed only when the top tool's rehearsal foresees an error and the
+two are close.
 
 Candidates (`RunSettings.proposal`):
 - `sample`: the primary, then K-1 actions sampled at the temperature. With a small model
@@ -38,7 +40,7 @@ from model_backend.base import Generation, GenerationConfig, Policy, Prompt
 NAME_OPEN = '{"name": "'
 """How a call's JSON starts (`formats.call_text`): the name follows."""
 TOOL_SCORE = "tool"
-"""`Branch.scores` key: the branch's tool's `RankedTool.log_p`."""
+"""`Branch.scores` key: the branch's tool's `RankedTool.log_p` minus the top tool's (0 for the top tool)."""
 RELEVANCE_PROMPT = "Tool `{name}`: {description}\nWrite a request a user could make that needs this tool."
 """The channel's prompt: the request is scored as this message's reply."""
 
@@ -53,7 +55,7 @@ class RankedTool:
     score: float
     """`sum(name_logprobs) + weight * relevance`: the ranking key."""
     log_p: float = 0.0
-    """log of the score's softmax over the step's tools: what the selector adds."""
+    """log of the score's softmax over the step's tools (the selector adds it relative to the top tool's)."""
 
 
 def opened(prompt: Prompt) -> str:
@@ -129,7 +131,9 @@ def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: G
     if taken is None and not distinct:  # the greedy action answers (or failed to parse): nothing to re-aim
         return gens, {}
     ranked = rank_tools(policy, prompt, tools, relevance_by_name, weight)
-    log_p = {r.tool.name: r.log_p for r in ranked} if weight > 0 else {}
+    # Relative to the top tool (0 for it), so that a call to the top tool and a plain answer still
+    # compare by their Act log-probabilities alone, as without a ranking.
+    log_p = {r.tool.name: r.log_p - ranked[0].log_p for r in ranked} if weight > 0 else {}
     reaim = taken is not None and retool and ranked[0].tool.name != taken
     if reaim:
         taken = ranked[0].tool.name
