@@ -369,3 +369,20 @@ def test_relevance_with_tool_candidates_re_aims_and_forces_in_one_batch():
     assert [b.call.name for b in step.branches] == ["set", "get", "list_keys"]
     assert [b.sampled for b in step.branches] == [False, True, True]
     assert len(policy.act_each_calls) == 1 and len(policy.act_each_calls[0]) == 3
+
+
+def test_with_tools_ranked_the_primary_stands_unless_its_rehearsal_foresees_an_error():
+    """logprob + relevance: a sampled plain answer with a higher mean log-probability does not displace the
+    re-aimed primary call; a foreseen error on the primary does."""
+    def run(predict):
+        r, _ = runner([[call("list_keys"), "All done."]],
+                      settings=RunSettings(mode="parallel", branches=2, selector="logprob", relevance=1.0),
+                      name_scores=RANKS, relevance={"set": 0.0}, arguments={"set": {"key": "a", "value": 1}},
+                      predict=predict)
+        step = r.step()
+        assert [b.kind for b in step.branches] == ["call", "answer"]
+        assert step.branches[1].act_logprob > step.branches[0].act_logprob  # -0.2 against the forced call's -0.3
+        return step.chosen_branch.kind
+
+    assert run(lambda text: {"ok": True}) == "call"
+    assert run(lambda text: {"error": "no such key"}) == "answer"

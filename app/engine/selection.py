@@ -1,10 +1,11 @@
 """Scoring branches and choosing the one to commit.
 
 Selectors (DESIGN.md): `judge` (the model's own P("yes") that the rehearsed outcome
-advances the task), `logprob` (the Act role's mean token log-probability), `memory`
-(the rehearsals are shown to the policy, which writes the committed call). A branch whose
-rehearsal predicts an error is penalised under every selector: foreseeing that failure
-is what rehearsal is for.
+advances the task), `logprob` (the Act role's mean token log-probability, plus a call's tool
+log-probability when tools were ranked, `proposals`), `memory` (the rehearsals are shown to the
+policy, which writes the committed call). A branch whose rehearsal predicts an error is
+penalised under every selector: foreseeing that failure is what rehearsal is for. With tools
+ranked, `logprob` keeps the primary unless its rehearsal predicts an error.
 
 Each selector is a small object (`Selector`): `score` writes `Branch.scores[score_key]`,
 `choose` returns the index to commit. The table of them by name is `strategies.SELECTOR_TABLE`;
@@ -61,12 +62,17 @@ def judge_scores(policy: Policy, request: str, history: list[HistoryItem],
     return out
 
 
+def predicted_error(branch: Branch) -> bool:
+    """The branch is a call whose rehearsal predicts an error."""
+    return branch.kind == "call" and branch.predicted_text is not None and is_error(branch.predicted)
+
+
 def apply_scores(branches: list[Branch], selector: str, raw: list[float]) -> None:
     """Write `scores[selector]` with the predicted-error penalty and the parse-error floor."""
     for b, value in zip(branches, raw):
         if b.kind == "parse_error":
             value = PARSE_ERROR_SCORE
-        elif b.kind == "call" and b.predicted_text is not None and is_error(b.predicted):
+        elif predicted_error(b):
             value -= PREDICTED_ERROR_PENALTY
         b.scores[selector] = round(float(value), 5)
 
@@ -106,6 +112,10 @@ class LogprobSelector:
                                            + b.scores.get(TOOL_SCORE, 0.0) for b in branches])
 
     def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
+        # With tools ranked, the primary is the ranking's call: rehearsal vetoes it only by foreseeing an error.
+        # (Mean token log-probabilities favour a fluent stock answer over a call the ranking re-aimed.)
+        if ctx.tool_log_p and branches and not predicted_error(branches[0]):
+            return 0
         return choose(branches, self.score_key)
 
 
@@ -150,6 +160,6 @@ class MemorySelector(LogprobSelector):
 
 def predicts_failure(branch: Branch, selector: str, score: float) -> bool:
     """Sequential mode: propose again when the rehearsal foresees an error (or the judge says no)."""
-    if branch.predicted_text is not None and is_error(branch.predicted):
+    if predicted_error(branch):
         return True
     return selector == "judge" and score < 0.5
