@@ -15,9 +15,8 @@ A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance`
 step's primary call is re-aimed at the top-scoring tool when the greedy action calls
 another (the greedy action still decides between calling and answering), and every call
 branch carries its tool's log-probability under the ranking relative to the top tool's
-(`Branch.scores["tool"]`, 0 for the top tool), which the `logprob` selector adds (`selection`):
-an alternative tool is committed only when the top tool's rehearsal foresees an error and the
-two are close.
+(`Branch.scores["tool"]`, 0 for the top tool), which the `logprob` selector adds (`selection`);
+that selector keeps the primary unless its rehearsal foresees an error.
 
 Candidates (`RunSettings.proposal`):
 - `sample`: the primary, then K-1 actions sampled at the temperature. With a small model
