@@ -8,11 +8,11 @@ DEFAULT_TASK = "bfcl:multi_turn_base_0"
 DEFAULT_MODEL = "embedded"
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_ADAPTER = ROOT / "fixtures" / "adapters" / "envace-smollm2-135m"
-DEFAULT_RELEVANCE = 0.5
-"""The CLI's, the Run tab's and the eval's `RunSettings.relevance` (the engine's own default is 0: off).
-On the card's held-out protocol, teacher-forced, the expert's tool ranks first at 49 of 154 call steps
-with 0, at 73 with 0.3-0.5, and fewer again from 1.0 on (`app.engine.proposals`)."""
 """The trained EnvACE-style agent (`make train-agent`): the `embedded` model's default adapter."""
+DEFAULT_RELEVANCE = 0.5
+"""The CLI's, the Run tab's, the eval's and training rollouts' `RunSettings.relevance` (the engine's own
+default is 0: off). On the card's held-out protocol, teacher-forced, the expert's tool ranks first at 49
+of 154 call steps with 0, at 73 with 0.3-0.5, and at 66 with 1.0 (`app.engine.proposals`)."""
 
 
 def shipped_adapter() -> str | None:

@@ -41,7 +41,8 @@ class StepContext:
     forks: dict[int, Environment] = field(default_factory=dict)
     """Branch index -> the fork a fork-executing rehearser ran the call on."""
     tool_log_p: dict[str, float] = field(default_factory=dict)
-    """Tool name -> its log-probability under the step's tool ranking (`proposals`), when tools were ranked."""
+    """Tool name -> its log-probability under the step's tool ranking minus the top tool's (`proposals`),
+    when tools were ranked with a relevance weight; empty otherwise."""
 
     tools: dict[str, Tool] = field(init=False)
     """`tools_list` by name."""

@@ -23,9 +23,9 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import proposals, strategies
 from app.engine.context import StepContext
-from app.engine.proposals import TOOL_SCORE
 from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, latest_request,
                                 turn_messages, with_typed_turns)
+from app.engine.proposals import TOOL_SCORE
 from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
