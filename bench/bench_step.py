@@ -94,6 +94,7 @@ def main() -> None:
         for task_id in tqdm(task_ids, desc=f"K={k}"):
             task = envs.load_task(task_id)
             policy.reset_cache()
+            policy.forget_scores()  # first scorings: K=4 must not reuse K=1's tool channel
             runner = EpisodeRunner(task, policy, settings)
             recorder = Recorder(store)
             recorder.start(runner.episode)

@@ -1,8 +1,11 @@
 """The two roles on one set of local weights: act (K candidates) and rehearse, plus scoring."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+from array import array
+from collections import OrderedDict
 from typing import Any
 
 from .base import Generation, GenerationConfig, Prompt, Timings, derive_seed
@@ -14,13 +17,27 @@ from .prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_WINDOW = 8192
+SCORE_MEMO_ENTRIES = 4096
+"""`score` results kept per loaded model. They depend only on the weights and the tokens, so a task run
+again (another mode of an eval, a person re-running a task) reuses them: above all the tool channel's
+pass over every tool description, a few seconds per user turn (`app.engine.proposals.relevance`)."""
+
+
+def _score_key(prompt: list[int], continuation: list[int]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(array("l", prompt).tobytes())
+    digest.update(b"|")
+    digest.update(array("l", continuation).tobytes())
+    return digest.digest()
 
 
 class TransformersPolicy:
     """`Policy` over a transformers causal LM; batches internally over a shared prompt prefix."""
 
-    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        """`prefix_cache_bytes`: memory for the KV of recent prompt prefixes (0: no cross-step cache)."""
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
+                 score_memo: int = SCORE_MEMO_ENTRIES) -> None:
+        """`prefix_cache_bytes`: memory for the KV of recent prompt prefixes (0: no cross-step cache);
+        `score_memo`: how many `score` results to keep (0 for a model whose weights change under it)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -37,6 +54,9 @@ class TransformersPolicy:
         # One forward at a time: concurrent UI requests would only fight over the same cores.
         self._lock = threading.Lock()
         self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.score_memo = score_memo
+        self._scores: OrderedDict[bytes, list[float]] = OrderedDict()
+        """Recent `score` results by (prompt, continuation) tokens (see `score`)."""
         self.timings = Timings()
         """Seconds per phase (`act.tokenize`, `act.prefill`, `act.decode`, `rehearse.*`, `score.*`)."""
 
@@ -123,9 +143,28 @@ class TransformersPolicy:
         with self.timings.phase("score.tokenize"):
             prompt_ids = [self.encode(p) for p in prompts]
             cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
+            keys = [_score_key(p, c) for p, c in zip(prompt_ids, cont_ids)]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
-        with self._lock, self.timings.phase("score.forward"):
-            return score(self.model, prompt_ids, cont_ids, self.pad_id, prefix_cache=self.prefix_cache)
+        with self._lock:
+            missing = [i for i, key in enumerate(keys) if key not in self._scores]
+            if missing:
+                with self.timings.phase("score.forward"):
+                    fresh = score(self.model, [prompt_ids[i] for i in missing], [cont_ids[i] for i in missing],
+                                  self.pad_id, prefix_cache=self.prefix_cache)
+                for i, lps in zip(missing, fresh):
+                    self._scores[keys[i]] = lps
+            results = []
+            for key in keys:
+                self._scores.move_to_end(key)
+                results.append(list(self._scores[key]))
+            while len(self._scores) > self.score_memo:
+                self._scores.popitem(last=False)
+            return results
+
+    def forget_scores(self) -> None:
+        """Drop the memo of `score` results (a benchmark that times first scorings)."""
+        with self._lock:
+            self._scores.clear()
 
     def reference_generate(self, prompt: Prompt, max_new_tokens: int) -> str:
         """Plain `model.generate` greedy text for one prompt (tests and the benchmark compare against it)."""

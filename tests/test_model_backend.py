@@ -309,3 +309,42 @@ def test_score_chunks_agree(policy: Any) -> None:
     assert [len(x) for x in chunked] == [3, 1, 0]
     for a, b in zip(whole, chunked):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_score_rows_of_very_different_lengths(policy: Any) -> None:
+    # A long row starts its own chunk (decoding.PAD_SLACK), and rows come back in the caller's order.
+    long_question = "Is this list sorted: " + ", ".join(str(n) for n in range(60)) + "?"
+    prompts = [user("Is 4 even?"), user(long_question), user("Is 9 even?")]
+    conts = [" yes", " yes it is", " no"]
+    scored = policy.score(prompts, conts)
+    for prompt, cont, lps in zip(prompts, conts, scored):
+        assert lps == pytest.approx(plain_logprobs(policy, prompt, cont), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_score_memo_reuses_results_until_forgotten(policy: Any) -> None:
+    from model_backend.loading import LoadedModel
+    from model_backend.policy import TransformersPolicy
+
+    prompts = [user("Is 15 odd?"), user("Is 16 odd?")]
+    policy.forget_scores()
+    policy.timings.take()
+    first = policy.score(prompts, [" yes", " no"])
+    assert "score.forward" in policy.timings.take()
+    again = policy.score(prompts[::-1], [" no", " yes"])  # same pairs, other order: no forward at all
+    assert "score.forward" not in policy.timings.take()
+    assert again == first[::-1]
+    policy.score([prompts[0]], [" no"])  # a new continuation is computed
+    assert "score.forward" in policy.timings.take()
+    policy.forget_scores()
+    for fresh, kept in zip(policy.score(prompts, [" yes", " no"]), first):
+        assert fresh == pytest.approx(kept, abs=1e-4)
+    assert "score.forward" in policy.timings.take()
+    loaded = policy.loaded
+    moving = TransformersPolicy(LoadedModel(loaded.model, loaded.tokenizer, loaded.spec, loaded.device,
+                                            loaded.dtype, 0.0, False), score_memo=0)
+    moving.score(prompts, [" yes", " no"])
+    moving.timings.take()
+    moving.score(prompts, [" yes", " no"])
+    assert "score.forward" in moving.timings.take()  # weights that train under it: nothing kept
