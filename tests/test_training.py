@@ -13,6 +13,7 @@ import pytest
 
 from app import envs
 from app.cli.main import main
+from app.config import DEFAULT_RELEVANCE
 from app.engine import EpisodeRunner
 from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
 from app.records import Annotation, RunSettings
@@ -301,23 +302,58 @@ def test_heldout_comparison_runs_each_column_with_its_decoding(tmp_path: Path, m
 
     calls = []
     monkeypatch.setattr(at, "heldout_report", lambda policy, n, settings, **kw: calls.append(
-        (policy, settings.constrain)) or {"tasks": [], "call_accuracy": 0.0})
+        (policy, settings.constrain, settings.relevance)) or {"tasks": [], "call_accuracy": 0.0})
     monkeypatch.setattr(model_backend, "load_model", lambda spec, adapter=None, **kw: f"weights+{adapter}")
     monkeypatch.setattr(model_backend.policy, "TransformersPolicy", lambda loaded: f"policy({loaded})")
     previous = tmp_path / "prev"
     previous.mkdir()
     cfg = at.AgentTrainingConfig(eval_tasks=2, eval_turns=1, eval_forced_calls=4, eval_minutes=0)
     out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous)
-    assert list(out) == ["adapter", "adapter_unconstrained", "base", "previous", "previous_unconstrained"]
-    assert calls == [("new", True), ("new", False), ("policy(weights+None)", True),
-                     (f"policy(weights+{previous})", True), (f"policy(weights+{previous})", False)]
+    assert list(out) == ["adapter", "adapter_unconstrained", "adapter_unranked", "base", "previous",
+                         "previous_unconstrained"]
+    w = DEFAULT_RELEVANCE
+    assert calls == [("new", True, w), ("new", False, w), ("new", True, 0.0), ("policy(weights+None)", True, w),
+                     (f"policy(weights+{previous})", True, w), (f"policy(weights+{previous})", False, w)]
     # A previous adapter whose own card measured this protocol (before constraints existed) is reused.
     old_row = {"tasks": ["t"], "call_accuracy": 0.1}
     (previous / "training.json").write_text(_json.dumps({"heldout": {"adapter": old_row}, "config": {
         "eval_tasks": 2, "eval_turns": 1, "eval_forced_calls": 4, "eval_minutes": 0}}))
     calls.clear()
     out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous)
-    assert out["previous_unconstrained"] == old_row and len(calls) == 4
+    assert out["previous_unconstrained"] == old_row and len(calls) == 5
+    calls.clear()
+    out = at.heldout_comparison("new", cfg, report=lambda _: None, previous=previous, columns={"adapter_unranked"})
+    assert list(out) == ["adapter_unranked"] and calls == [("new", True, 0.0)]
+
+
+def test_evaluate_adapter_measures_only_the_named_columns_and_keeps_the_others(tmp_path: Path, monkeypatch) -> None:
+    """`train-agent --evaluate A --eval-columns adapter`: the card's other columns stay as measured, the
+    card is rewritten, and a card from another protocol or an unknown column is refused."""
+    import json as _json
+
+    import model_backend
+    import model_backend.policy
+    from app.training import agent as at
+
+    monkeypatch.setattr(at, "heldout_report", lambda policy, n, settings, **kw: {
+        "tasks": ["bfcl:multi_turn_base_3"], "max_turns": 2, "call_accuracy": 0.5, "relevance": settings.relevance})
+    monkeypatch.setattr(model_backend, "load_model", lambda spec, adapter=None, **kw: "weights")
+    monkeypatch.setattr(model_backend.policy, "TransformersPolicy", lambda loaded: "policy")
+    monkeypatch.setattr(at, "write_card", lambda out, card: (out / "training.json").write_text(_json.dumps(card)))
+    cfg = at.AgentTrainingConfig(eval_tasks=2, eval_turns=2, eval_forced_calls=4, eval_minutes=0)
+    kept = {"tasks": ["bfcl:multi_turn_base_3"], "max_turns": 2, "call_accuracy": 0.25}
+    card = {"config": {"eval_tasks": 2, "eval_turns": 2, "eval_forced_calls": 4, "eval_minutes": 0},
+            "heldout": {"adapter_unranked": kept, "base": kept}, "train_seconds": 60.0, "eval_seconds": 30.0}
+    (tmp_path / "training.json").write_text(_json.dumps(card))
+    out = at.evaluate_adapter(tmp_path, cfg, columns={"adapter"})
+    assert out["heldout"]["adapter_unranked"] == kept == out["heldout"]["base"]
+    assert out["heldout"]["adapter"]["relevance"] == DEFAULT_RELEVANCE and out["eval_seconds"] >= 30.0
+    assert _json.loads((tmp_path / "training.json").read_text())["heldout"]["adapter"]["call_accuracy"] == 0.5
+    with pytest.raises(ValueError, match="unknown held-out column"):
+        at.evaluate_adapter(tmp_path, cfg, columns={"adapter", "nonsense"})
+    other = at.AgentTrainingConfig(eval_tasks=8, eval_turns=2, eval_forced_calls=4, eval_minutes=0)
+    with pytest.raises(ValueError, match="another protocol .*eval_tasks=2"):
+        at.evaluate_adapter(tmp_path, other, columns={"adapter"})
 
 
 def test_single_turn_rows_teach_tool_selection_from_bfcl_answers() -> None:

@@ -15,7 +15,7 @@ from app.config import default_db_path
 
 
 def register(sub: Any) -> None:
-    from app.training.agent import AgentTrainingConfig
+    from app.training.agent import HELDOUT_ROWS as HELDOUT_COLUMNS, AgentTrainingConfig
 
     d = AgentTrainingConfig()  # one set of defaults: the dataclass's
     p = sub.add_parser("train-agent", help="train the shipped agent adapter (~35 min on 2 cores)",
@@ -48,6 +48,9 @@ def register(sub: Any) -> None:
                    help="train nothing: add the held-out base-vs-adapter table to this train-agent adapter's card")
     p.add_argument("--previous", metavar="ADAPTER", default=None,
                    help="with --evaluate: an earlier adapter to add to the table (constrained and not)")
+    p.add_argument("--eval-columns", default=None, metavar="COLUMNS",
+                   help="with --evaluate: measure only these comma-separated columns of the held-out table "
+                        f"({', '.join(HELDOUT_COLUMNS)}) and keep the card's others")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (minutes), not the shipped adapter")
     p.set_defaults(func=cmd_train_agent)
 
@@ -101,7 +104,8 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     if args.eval_minutes < 0:
         raise UserError("--eval-minutes must be 0 (no cap) or more")
     if args.evaluate:
-        return _evaluate(Path(args.evaluate), cfg, Path(args.previous) if args.previous else None)
+        columns = {c.strip() for c in args.eval_columns.split(",") if c.strip()} if args.eval_columns else None
+        return _evaluate(Path(args.evaluate), cfg, Path(args.previous) if args.previous else None, columns)
     if args.quick:
         if not args.out:
             raise UserError("--quick needs --out (it must not replace the shipped adapter)")
@@ -125,8 +129,8 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None) -> int:
-    from app.training.agent import evaluate_adapter
+def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None, columns: set[str] | None = None) -> int:
+    from app.training.agent import HELDOUT_ROWS as HELDOUT_COLUMNS, evaluate_adapter
 
     if not (adapter / "training.json").is_file():
         raise UserError(f"{adapter} is not an adapter written by train-agent (no training.json)")
@@ -134,8 +138,14 @@ def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None) -> int:
         raise UserError("--evaluate needs --eval-tasks of at least 1")
     if previous is not None and not (previous / "adapter_config.json").is_file():
         raise UserError(f"--previous {previous} is not a LoRA adapter directory")
-    card = evaluate_adapter(adapter, cfg, report=lambda line: print(line, file=sys.stderr, flush=True),
-                            previous=previous)
+    if columns is not None and not columns <= set(HELDOUT_COLUMNS):
+        raise UserError(f"--eval-columns: unknown column(s) {', '.join(sorted(columns - set(HELDOUT_COLUMNS)))}; "
+                        f"choose from {', '.join(HELDOUT_COLUMNS)}")
+    try:
+        card = evaluate_adapter(adapter, cfg, report=lambda line: print(line, file=sys.stderr, flush=True),
+                                previous=previous, columns=columns)
+    except ValueError as exc:  # a card measured on another protocol
+        raise UserError(f"--eval-columns: {exc}") from None
     print(f"held-out table added to {adapter / 'README.md'}; {card['eval_seconds'] / 60:.1f} min")
     return 0
 

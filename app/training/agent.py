@@ -171,6 +171,7 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
     report["forced"] = forced_rehearsal(policy, task_ids, forced_calls, constrain=settings.constrain)
     report["tasks"] = [e.task_id for e in episodes]
     report["max_turns"] = max_turns
+    report["relevance"] = settings.relevance
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report
 
@@ -179,12 +180,13 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
 
 
 def _policy_for(loaded: Any, model: Any) -> Any:
-    """An inference policy over the model being trained (same object: it sees every update)."""
+    """An inference policy over the model being trained (same object: it sees every update, so it keeps
+    no `score` results from one round to the next)."""
     from model_backend.loading import LoadedModel
     from model_backend.policy import TransformersPolicy
 
     return TransformersPolicy(LoadedModel(model, loaded.tokenizer, loaded.spec, loaded.device, loaded.dtype,
-                                          0.0, False, adapter="(in training)"))
+                                          0.0, False, adapter="(in training)"), score_memo=0)
 
 
 def _count(rows: list[Any]) -> dict[str, int]:
@@ -297,23 +299,29 @@ HELDOUT_ROWS: dict[str, str] = {
     "previous": "previous adapter",
     "previous_unconstrained": "previous adapter, unconstrained",
     "adapter_unconstrained": "this adapter, unconstrained",
+    "adapter_unranked": "this adapter, no tool ranking",
     "adapter": "this adapter",
 }
-"""Columns of the card's held-out table, in order; constrained decoding unless the name says otherwise."""
+"""Columns of the card's held-out table, in order; constrained decoding unless the name says otherwise,
+tools ranked by the noisy channel (`rollout_settings`) unless it says otherwise or its `relevance` is 0
+(a column measured before the ranking existed has no `relevance` and ranked nothing)."""
 
 
 def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Report = log.info,
-                       previous: Path | None = None) -> dict[str, Any]:
-    """`heldout_report` for the adapter (constrained and not), the base weights and, when given, a
-    previous adapter (constrained and not), on the same tasks and rollout settings."""
+                       previous: Path | None = None, columns: set[str] | None = None) -> dict[str, Any]:
+    """`heldout_report` for the adapter (constrained and not, ranked and not), the base weights and, when
+    given, a previous adapter (constrained and not), on the same tasks and rollout settings; `columns`:
+    only these `HELDOUT_ROWS`."""
     from model_backend import load_model
     from model_backend.policy import TransformersPolicy
 
     kwargs = dict(max_turns=cfg.eval_turns, forced_calls=cfg.eval_forced_calls, minutes=cfg.eval_minutes or None)
     constrained = rollout_settings(cfg.seed)
     free = constrained.model_copy(update={"constrain": False})
+    unranked = constrained.model_copy(update={"relevance": 0.0})
     runs: list[tuple[str, Callable[[], Any], RunSettings]] = [
         ("adapter", lambda: adapter_policy, constrained), ("adapter_unconstrained", lambda: adapter_policy, free),
+        ("adapter_unranked", lambda: adapter_policy, unranked),
         # Fresh loads: peft wraps a model in place.
         ("base", lambda: TransformersPolicy(load_model(cfg.spec)), constrained)]
     if previous is not None:
@@ -327,12 +335,14 @@ def heldout_comparison(adapter_policy: Any, cfg: AgentTrainingConfig, report: Re
         runs.append(("previous", previous_policy, constrained))
     out: dict[str, Any] = {}
     earlier = _earlier_heldout(previous, cfg) if previous is not None else None
-    if earlier is not None:
+    if earlier is not None and (columns is None or "previous_unconstrained" in columns):
         out["previous_unconstrained"] = earlier  # measured on this protocol by its own card
         report("held-out, previous_unconstrained: taken from the previous adapter's card (same protocol)")
     elif previous is not None:
         runs.append(("previous_unconstrained", previous_policy, free))
     for name, policy, settings in runs:
+        if columns is not None and name not in columns:
+            continue
         out[name] = heldout_report(policy(), cfg.eval_tasks, settings=settings, **kwargs)
         report(f"held-out, {name}: {json.dumps(out[name])}")
     return out
@@ -352,9 +362,11 @@ def _earlier_heldout(previous: Path, cfg: AgentTrainingConfig) -> dict[str, Any]
 
 
 def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report = log.info,
-                     previous: Path | None = None) -> dict[str, Any]:
+                     previous: Path | None = None, columns: set[str] | None = None) -> dict[str, Any]:
     """Add the held-out table to an adapter that `train_agent` wrote (its card is rewritten);
-    `previous`: an earlier adapter to compare with (e.g. the one it replaces, from git history)."""
+    `previous`: an earlier adapter to compare with (e.g. the one it replaces, from git history);
+    `columns`: measure only these `HELDOUT_ROWS` and keep the card's other columns as they are (on the same
+    protocol: a card measured on another one is an error)."""
     from model_backend import load_model
     from model_backend.policy import TransformersPolicy
 
@@ -362,13 +374,22 @@ def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report
     if not card_path.is_file():
         raise FileNotFoundError(f"{adapter_dir} has no training.json: it was not written by train-agent")
     card = json.loads(card_path.read_text())
+    protocol = ("eval_tasks", "eval_turns", "eval_forced_calls", "eval_minutes")
+    if columns is not None:
+        unknown = sorted(columns - set(HELDOUT_ROWS))
+        if unknown:
+            raise ValueError(f"unknown held-out column(s) {', '.join(unknown)}; choose from {', '.join(HELDOUT_ROWS)}")
+        if card.get("heldout") and any(card["config"].get(k) != getattr(cfg, k) for k in protocol):
+            was = ", ".join(f"{k}={card['config'].get(k)}" for k in protocol)
+            raise ValueError(f"the card's held-out table was measured on another protocol ({was}): measure every column")
     started = time.perf_counter()
     policy = TransformersPolicy(load_model(cfg.spec, adapter=adapter_dir))
-    card["heldout"] = heldout_comparison(policy, cfg, report, previous)
+    measured = heldout_comparison(policy, cfg, report, previous, columns)
+    card["heldout"] = {**(card.get("heldout") or {}), **measured} if columns is not None else measured
     if previous is not None:
         card["heldout_previous"] = str(previous)
-    card["config"].update({k: getattr(cfg, k) for k in ("eval_tasks", "eval_turns", "eval_forced_calls", "eval_minutes")})
-    card["eval_seconds"] = round(time.perf_counter() - started, 1)
+    card["config"].update({k: getattr(cfg, k) for k in protocol})
+    card["eval_seconds"] = round(time.perf_counter() - started, 1) + (card.get("eval_seconds", 0.0) if columns else 0.0)
     card["total_seconds"] = round(card["train_seconds"] + card["eval_seconds"], 1)
     write_card(adapter_dir, card)
     return card
@@ -444,7 +465,7 @@ def card_markdown(card: dict[str, Any]) -> str:
               f"{card.get('total_seconds', card['train_seconds']) / 60:.1f} min.", ""]
     held = card.get("heldout")
     if held:
-        a = held["adapter"]
+        a = held.get("adapter") or next(iter(held.values()))
         cols = [k for k in HELDOUT_ROWS if k in held]
         lines += [
             "## Held-out results (BFCL multi_turn_base, index mod 4 == 3)",
@@ -455,6 +476,8 @@ def card_markdown(card: dict[str, Any]) -> str:
             + (f" Previous adapter: `{card['heldout_previous']}`." if card.get("heldout_previous") else ""), "",
             "| metric | " + " | ".join(HELDOUT_ROWS[k] for k in cols) + " |", "|---|" + "---|" * len(cols),
         ]
+        lines.append("| tool ranking weight (relevance) | "
+                     + " | ".join(_fmt(float(held[k].get("relevance", 0.0))) for k in cols) + " |")
         rows = [("call accuracy", "call_accuracy"), ("tool-call rate", "call_rate"),
                 ("parse errors / step", "parse_error_rate"), ("turn success", "turn_success")]
         for label, key in rows:
