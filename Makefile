@@ -59,8 +59,9 @@ train-agent: setup
 	$(PYTHON) -m app train-agent
 
 # The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
-# First 12 held-out tasks, first 2 turns, at most 4 steps a turn: about 13 minutes on 2 cores.
-EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4
+# First 12 held-out tasks, first 2 turns, at most 4 steps a turn, tools ranked (the default relevance), the K
+# candidates one per top-ranked tool, the logprob selector: about 25 minutes on 2 cores.
+EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4 --selector logprob --proposal tools
 eval: setup
 	$(PYTHON) -m app eval --tasks bfcl:multi_turn_base --split heldout --modes none,parallel,sequential \
 		--seed 0 --out runs/eval-heldout $(EVAL_ARGS)

@@ -38,9 +38,14 @@ def test_the_card_shows_the_adapter_beating_the_base_on_heldout_tasks() -> None:
     assert held["adapter"]["call_accuracy"] > held["base"]["call_accuracy"]
     assert held["adapter"]["forced"]["exact"] > held["base"]["forced"]["exact"]
     assert held["adapter"]["forced"]["n"] == held["base"]["forced"]["n"] > 0
+    # The card's own columns: tools ranked by the noisy channel (the default) against the same weights without.
+    assert held["adapter"]["relevance"] > 0 and held["adapter_unranked"].get("relevance", 0.0) == 0.0
+    assert held["adapter_unranked"]["tasks"] == held["adapter"]["tasks"]
+    assert held["adapter"]["call_accuracy"] > held["adapter_unranked"]["call_accuracy"]
     assert c["train_seconds"] < 90 * 60  # the budget on 2 cores
     text = (SHIPPED_ADAPTER / "README.md").read_text()
     assert "## Held-out results" in text and f"Episodes: {len(held['adapter']['tasks'])} tasks" in text
+    assert "| tool ranking weight (relevance) | " in text and "this adapter, no tool ranking" in text
 
 
 def sha256(path) -> str:
