@@ -60,7 +60,7 @@ train-agent: setup
 
 # The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
 # First 12 held-out tasks, first 2 turns, at most 4 steps a turn, tools ranked (the default relevance), the K
-# candidates one per top-ranked tool, the logprob selector: about 25 minutes on 2 cores.
+# candidates one per top-ranked tool, the logprob selector: about 20 minutes on 2 cores.
 EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4 --selector logprob --proposal tools
 eval: setup
 	$(PYTHON) -m app eval --tasks bfcl:multi_turn_base --split heldout --modes none,parallel,sequential \
