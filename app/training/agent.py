@@ -389,7 +389,8 @@ def evaluate_adapter(adapter_dir: Path, cfg: AgentTrainingConfig, report: Report
     if previous is not None:
         card["heldout_previous"] = str(previous)
     card["config"].update({k: getattr(cfg, k) for k in protocol})
-    card["eval_seconds"] = round(time.perf_counter() - started, 1) + (card.get("eval_seconds", 0.0) if columns else 0.0)
+    kept = card.get("eval_seconds", 0.0) if columns else 0.0  # the kept columns' share
+    card["eval_seconds"] = round(time.perf_counter() - started + kept, 1)
     card["total_seconds"] = round(card["train_seconds"] + card["eval_seconds"], 1)
     write_card(adapter_dir, card)
     return card
