@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--proposal", choices=PROPOSALS, default="sample", help="how K candidates differ")
     parser.add_argument("--relevance", type=float, default=DEFAULT_RELEVANCE,
                         help="weight of log P(request | tool) in the tool ranking")
+    parser.add_argument("--cold-prompts", action="store_true",
+                        help="forget the channel's tool lines before every task, not only before each K")
     args = parser.parse_args()
 
     import model_backend
@@ -89,12 +91,15 @@ def main() -> None:
                                proposal=args.proposal, relevance=args.relevance)
         runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
+        policy.forget_scores()  # each K starts with no tool line encoded
         totals: list[float] = []
         sums = {p: 0.0 for p in PHASES}
         for task_id in tqdm(task_ids, desc=f"K={k}"):
             task = envs.load_task(task_id)
             policy.reset_cache()
-            policy.forget_scores()  # first scorings: K=4 must not reuse K=1's tool channel
+            # First scorings: no task reuses another's (or K=1's) results. The tool lines' KV stays from task
+            # to task, as in a session that opens one task after another (--cold-prompts: it does not).
+            policy.forget_scores(prompts=args.cold_prompts)
             runner = EpisodeRunner(task, policy, settings)
             recorder = Recorder(store)
             recorder.start(runner.episode)
@@ -118,7 +123,7 @@ def main() -> None:
     figure(rows)
     write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
-                                   "relevance": args.relevance,
+                                   "relevance": args.relevance, "cold_prompts": args.cold_prompts,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})
 
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import Timings
 from .constrain import mask_logits
-from .fast_step import decode_step, generic_step
+from .fast_step import decode_step, generic_step, lean_step, lean_supported
 from .prefix_cache import PrefixCache
 
 
@@ -174,24 +174,21 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 
 def prefill(
     model: Any, seqs: Sequence[Sequence[int]], min_suffix: Sequence[int], keep: int, pad_id: int,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: PrefixCache | None = None, rows_cache: PrefixCache | None = None,
+    rows_stored: Sequence[int] | None = None,
 ) -> Prefilled:
     """Run the shared prefix once, then the suffixes batched; `min_suffix[i]` tokens of row i stay in the suffix.
-    With a `prefix_cache`, the shared prefix starts from the longest stored prefix of it, and is stored."""
+    With a `prefix_cache`, the shared prefix starts from the longest stored prefix of it, and is stored; so is
+    each row of a batch (its first `rows_stored[i]` tokens, default all) in `rows_cache` (default `prefix_cache`)."""
     device = model.device
     batch = len(seqs)
     prefix_len = min(common_prefix_len(seqs), *(len(s) - m for s, m in zip(seqs, min_suffix)))
     prefix_len = max(prefix_len, 0)
     cache = new_cache(model.config)
     if any(type(layer) is not _GrowingLayer for layer in cache.layers):
-        prefix_cache = None  # a sliding-window layer's cache cannot be cut at a position
+        prefix_cache = rows_cache = None  # a sliding-window layer's cache cannot be cut at a position
     if prefix_len > 0:
-        prefix_ids = list(seqs[0][:prefix_len])
-        reused = prefix_cache.restore(prefix_ids, cache) if prefix_cache is not None else 0
-        prefix = torch.tensor([prefix_ids[reused:]], device=device)
-        model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
-        if prefix_cache is not None and prefix_cache.covered(prefix_ids) < len(prefix_ids):
-            prefix_cache.store(prefix_ids, cache)
+        encode_prefix(model, list(seqs[0][:prefix_len]), cache, prefix_cache)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
 
@@ -214,29 +211,43 @@ def prefill(
     lean = prefix_len > 0 and batch > 1 and width <= LEAN_PREFILL_WIDTH
     forward = decode_step(model, cache) if lean else generic_step(model, cache)
     logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
-    if prefix_cache is not None and batch > 1:
-        _store_rows(prefix_cache, seqs, prefix_len, width, cache)
+    rows_cache = rows_cache if rows_cache is not None else prefix_cache
+    if rows_cache is not None and batch > 1:
+        _store_rows(rows_cache, [list(s[:n]) for s, n in zip(seqs, rows_stored or [len(s) for s in seqs])],
+                    [len(s) for s in seqs], prefix_len, width, cache)
     next_positions = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
     return Prefilled(cache, logits, mask.to(device), next_positions, has_padding, prefix_len)
 
 
-def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], prefix_len: int, width: int,
-                cache: DynamicCache) -> None:
-    """Keep each row's whole prompt (shared prefix + its own suffix) where the suffix is long enough to be
-    worth it: K Rehearse prompts differ after the history, and scoring the real responses under them
-    next (surprise) then restores each prompt instead of encoding its suffix again."""
+def encode_prefix(model: Any, prefix_ids: list[int], cache: DynamicCache, prefix_cache: PrefixCache | None) -> None:
+    """Fill the empty `cache` (batch 1) with `prefix_ids`: from the longest stored prefix of them, the rest
+    computed, and the whole stored when no entry holds it yet."""
+    reused = prefix_cache.restore(prefix_ids, cache) if prefix_cache is not None else 0
+    prefix = torch.tensor([prefix_ids[reused:]], device=model.device)
+    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    if prefix_cache is not None and prefix_cache.covered(prefix_ids) < len(prefix_ids):
+        prefix_cache.store(prefix_ids, cache)
+
+
+def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], lengths: Sequence[int], prefix_len: int,
+                width: int, cache: DynamicCache) -> None:
+    """Keep each row's prompt (shared prefix + its own suffix; `seqs[i]` is the first part of the `lengths[i]`
+    tokens row i fed) where the suffix is long enough to be worth it: K Rehearse prompts differ after the
+    history, and scoring the real responses under them next (surprise) then restores each prompt instead of
+    encoding its suffix again; the channel's tool lines recur every turn."""
     for i, seq in enumerate(seqs):
         own = len(seq) - prefix_len
         if own < prefix_cache.min_tokens or prefix_cache.covered(seq) >= len(seq):
             continue
+        start = width - (lengths[i] - prefix_len)  # where row i's own tokens start in its buffer
         keys, values = [], []
         for layer in cache.layers:
             if type(layer) is not _GrowingLayer or layer.shared_keys is None or layer.shared_values is None:
                 return
             own_k, own_v = layer._k, layer._v  # [B, heads, capacity, dim]: row i's suffix ends at `width`
             assert own_k is not None and own_v is not None
-            keys.append(torch.cat([layer.shared_keys, own_k[i : i + 1, :, width - own : width]], dim=-2))
-            values.append(torch.cat([layer.shared_values, own_v[i : i + 1, :, width - own : width]], dim=-2))
+            keys.append(torch.cat([layer.shared_keys, own_k[i : i + 1, :, start : start + own]], dim=-2))
+            values.append(torch.cat([layer.shared_values, own_v[i : i + 1, :, start : start + own]], dim=-2))
         prefix_cache.store_tensors(list(seq), keys, values)
 
 
@@ -413,9 +424,11 @@ def generate(
     return outputs
 
 
-ROW_RESTORE_MIN_TOKENS = 256
-"""`score` restores stored prompts row by row only when every prompt is at least this long (measured: 32
-tool-description prompts of about 60 tokens took 3.6 s row by row, 2.6 s recomputed in a batch)."""
+PROMPT_CACHE_MAX_TOKENS = 256
+"""`score` keeps the KV of prompts shorter than this in its `prompt_cache` (the channel's tool lines, the same
+every turn and in every task with the tool); longer ones (the episode's Rehearse prompts) go to `prefix_cache`."""
+RESTORE_MAX_POSITIONS = 4096
+"""Restored prompt positions per scoring batch: each row's prompt KV is copied (46 KB a position for SmolLM2-135M)."""
 PAD_SLACK = 1.2
 MIN_PAD_SLACK = 8
 """`score` starts a new chunk at a row longer than PAD_SLACK x the chunk's shortest + MIN_PAD_SLACK tokens."""
@@ -428,6 +441,7 @@ def score(
     pad_id: int,
     max_positions: int = 1024,
     prefix_cache: PrefixCache | None = None,
+    prompt_cache: PrefixCache | None = None,
 ) -> list[list[float]]:
     """Log-probability of each continuation token after its prompt (forward only, shared prefix).
 
@@ -436,28 +450,156 @@ def score(
     chunked shortest first, and a row much longer than its chunk's first starts a new chunk: a batch
     pads every row to its longest, and on a CPU the padded positions cost as much as real ones (the
     channel's 32 tool prompts of 53-124 tokens were 45% padding in prompt order).
+
+    Rows with prompts of their own (not one prompt for all) whose KV a cache holds, all but the last
+    token, are not encoded again: their stored prompts are restored side by side into one batch cache
+    and only the continuations run, one forward per chunk (`_score_restored`). Short prompts computed
+    here are kept in `prompt_cache`, long ones in `prefix_cache` (see PROMPT_CACHE_MAX_TOKENS).
     """
     results: list[list[float]] = [[] for _ in prompts]
     rows = [i for i, c in enumerate(continuations) if c]
-    if (prefix_cache is not None and len(rows) > 1 and min(len(prompts[i]) for i in rows) >= ROW_RESTORE_MIN_TOKENS
-            and all(prefix_cache.covered(prompts[i]) >= len(prompts[i]) for i in rows)):
-        # Every prompt's keys are stored (K Rehearse prompts, kept by their own decoding): one row at a
-        # time restores its whole prompt and encodes only its continuation. Not for short prompts, where
-        # a forward per row costs more than the batch's recomputation.
-        for i in rows:
-            _score_chunk(model, prompts, continuations, [i], pad_id, results, prefix_cache)
-        return results
-    chunk: list[int] = []
     length = [len(prompts[i]) + len(continuations[i]) for i in range(len(prompts))]
-    for i in sorted(rows, key=lambda i: length[i]):
-        if chunk and ((len(chunk) + 1) * (max(len(continuations[j]) for j in chunk + [i]) + 1) > max_positions
-                      or length[i] > PAD_SLACK * length[chunk[0]] + MIN_PAD_SLACK):
-            _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache)
-            chunk = []
-        chunk.append(i)
-    if chunk:
-        _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache)
+    probe = new_cache(model.config)
+    if any(type(layer) is not _GrowingLayer for layer in probe.layers):
+        prefix_cache = prompt_cache = None  # a sliding-window layer's cache cannot be cut at a position
+    if (len(rows) > 1 and len({tuple(prompts[i]) for i in rows}) == 1 and len(prompts[rows[0]]) > 1
+            and lean_supported(model, probe)):
+        tree = TokenTree([continuations[i] for i in rows])
+        if len(tree.tokens) < max_positions:
+            _score_tree(model, prompts[rows[0]], tree, prefix_cache, [results[i] for i in rows])
+            return results
+    caches = [c for c in (prefix_cache, prompt_cache) if c is not None]
+    stored: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    if caches and len(rows) > 1 and len({tuple(prompts[i]) for i in rows}) == len(rows):
+        for i in rows:
+            found = next((f for c in caches if (f := c.lookup(prompts[i][:-1])) is not None), None)
+            if found is not None:
+                stored[i] = found
+    for chunk in _chunks(sorted(stored, key=lambda i: length[i]), prompts, continuations, max_positions, True):
+        _score_restored(model, prompts, continuations, chunk, stored, pad_id, results)
+    rest = sorted((i for i in rows if i not in stored), key=lambda i: length[i])
+    for chunk in _chunks(rest, prompts, continuations, max_positions, False):
+        _score_chunk(model, prompts, continuations, chunk, pad_id, results, prefix_cache, prompt_cache)
     return results
+
+
+class TokenTree:
+    """Continuations of one prompt as a trie: a token shared by several continuations' same beginnings is one
+    node. Node 0 is left for the prompt's last token (its logits predict every first token)."""
+
+    def __init__(self, continuations: Sequence[Sequence[int]]) -> None:
+        self.tokens: list[int] = [-1]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self._nodes: dict[tuple[int, ...], int] = {(): 0}
+        self.continuations = [list(c) for c in continuations]
+        for continuation in self.continuations:
+            path: tuple[int, ...] = ()
+            for token in continuation:
+                child = (*path, token)
+                if child not in self._nodes:
+                    self._nodes[child] = len(self.tokens)
+                    self.tokens.append(token)
+                    self.parents.append(self._nodes[path])
+                    self.depths.append(len(child))
+                path = child
+
+    def ancestry(self) -> torch.Tensor:
+        """[N, N] bool: node i sees node j when j is i or one of its ancestors."""
+        seen = torch.zeros((len(self.tokens), len(self.tokens)), dtype=torch.bool)
+        for i in range(len(self.tokens)):
+            j = i
+            while j >= 0:
+                seen[i, j] = True
+                j = self.parents[j]
+        return seen
+
+    def predicting(self, continuation: Sequence[int]) -> list[int]:
+        """The node whose logits predict each token of a continuation: the node of the path before it."""
+        return [self._nodes[tuple(continuation[:n])] for n in range(len(continuation))]
+
+
+def _score_tree(model: Any, prompt: Sequence[int], tree: TokenTree, prefix_cache: PrefixCache | None,
+                results: list[list[float]]) -> None:
+    """Continuations of one prompt (the tool names ranked after the Act prompt) scored as one token tree in a
+    single row after the prompt, each node attending to the prompt and to its own ancestors (tree attention,
+    as SpecInfer and Medusa verify trees of draft tokens). Batched instead, 32 tool names of 109 tokens were
+    320 padded positions; as a tree they are 99 nodes."""
+    cache = new_cache(model.config)
+    with torch.inference_mode():
+        encode_prefix(model, list(prompt[:-1]), cache, prefix_cache)
+        held = len(prompt) - 1
+        ids = torch.tensor([[prompt[-1], *tree.tokens[1:]]], device=model.device)
+        positions = torch.tensor([[held + d for d in tree.depths]], device=model.device)
+        logits = lean_step(model, cache)(ids, None, positions, ids.shape[1], tree=tree.ancestry().to(model.device))
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+        for out, continuation in zip(results, tree.continuations):
+            out[:] = logprobs[tree.predicting(continuation), continuation].tolist()
+
+
+def _chunks(order: list[int], prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+            max_positions: int, restored: bool) -> list[list[int]]:
+    """Consecutive rows of `order` (shortest first) in batches: at most `max_positions` scored positions, no
+    row much longer than the batch's first, and (`restored`) at most RESTORE_MAX_POSITIONS restored ones."""
+    chunks: list[list[int]] = []
+    chunk: list[int] = []
+    for i in order:
+        if chunk:
+            rows = chunk + [i]
+            full = (len(rows) * (max(len(continuations[j]) for j in rows) + 1) > max_positions
+                    or len(prompts[i]) + len(continuations[i])
+                    > PAD_SLACK * (len(prompts[chunk[0]]) + len(continuations[chunk[0]])) + MIN_PAD_SLACK
+                    or restored and len(rows) * max(len(prompts[j]) for j in rows) > RESTORE_MAX_POSITIONS)
+            if full:
+                chunks.append(chunk)
+                chunk = []
+        chunk.append(i)
+    return chunks + [chunk] if chunk else chunks
+
+
+def _score_restored(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    rows: list[int],
+    stored: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]],
+    pad_id: int,
+    results: list[list[float]],
+) -> None:
+    """Rows whose prompts (all but the last token) are stored: the stored KV side by side in one batch cache,
+    right-aligned ([pads | prompt] per row, the pads masked), then each row's last prompt token and
+    continuation in one forward, with position ids that continue each row's own prompt."""
+    batch = len(rows)
+    held = [len(prompts[i]) - 1 for i in rows]
+    span = max(held)
+    cache = new_cache(model.config)
+    for layer_index, layer in enumerate(cache.layers):
+        first = stored[rows[0]][0][layer_index]
+        keys = first.new_zeros((batch, first.shape[1], span, first.shape[-1]))
+        values = torch.zeros_like(keys)
+        for b, i in enumerate(rows):
+            keys[b, :, span - held[b]:] = stored[i][0][layer_index][0]
+            values[b, :, span - held[b]:] = stored[i][1][layer_index][0]
+        layer.append(keys, values)
+    feeds = [[prompts[i][-1], *continuations[i]] for i in rows]
+    width = max(len(f) for f in feeds)
+    ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, span + width), dtype=torch.long)
+    positions = torch.tensor(held, dtype=torch.long)[:, None].repeat(1, width)  # pads: the first real one's
+    for b, feed in enumerate(feeds):
+        n = len(feed)
+        ids[b, width - n:] = torch.tensor(feed)
+        mask[b, span - held[b]: span] = 1
+        mask[b, span + width - n:] = 1
+        positions[b, width - n:] = torch.arange(held[b], held[b] + n)
+    device = model.device
+    with torch.inference_mode():
+        logits = generic_step(model, cache)(ids.to(device), mask.to(device), positions.to(device), width)
+        for b, i in enumerate(rows):
+            cont = torch.tensor(continuations[i], device=logits.device)
+            n = len(cont)
+            lps = torch.log_softmax(logits[b, width - n - 1 : width - 1].float(), dim=-1).gather(1, cont[:, None])
+            results[i] = lps.squeeze(1).tolist()
 
 
 def _score_chunk(
@@ -468,13 +610,17 @@ def _score_chunk(
     pad_id: int,
     results: list[list[float]],
     prefix_cache: PrefixCache | None = None,
+    prompt_cache: PrefixCache | None = None,
 ) -> None:
     seqs = [list(prompts[i]) + list(continuations[i]) for i in rows]
     # The token before each continuation must sit in the suffix: its logits predict the first one.
     min_suffix = [len(continuations[i]) + 1 for i in rows]
     keep = max(min_suffix)
+    short = prompt_cache is not None and all(len(prompts[i]) < PROMPT_CACHE_MAX_TOKENS for i in rows)
     with torch.inference_mode():
-        pre = prefill(model, seqs, min_suffix, keep=keep, pad_id=pad_id, prefix_cache=prefix_cache)
+        pre = prefill(model, seqs, min_suffix, keep=keep, pad_id=pad_id, prefix_cache=prefix_cache,
+                      rows_cache=prompt_cache if short else None,
+                      rows_stored=[len(prompts[i]) for i in rows] if short else None)
         for row, i in enumerate(rows):
             cont = torch.tensor(continuations[i], device=pre.logits.device)
             n = len(cont)

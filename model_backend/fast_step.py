@@ -217,7 +217,9 @@ def lean_step(model: Any, cache: Any) -> Step:
     lm_head = _plain(model.lm_head)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-             keep: int | None = None) -> torch.Tensor:
+             keep: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """`tree` ([W, W] bool, batch 1, no `mask`): which of the W new tokens each new one sees (a token tree:
+        itself and its ancestors), instead of all earlier ones; every cached position stays visible."""
         batch, width = ids.shape
         x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
         cos, sin = rotary(x, positions)
@@ -234,7 +236,10 @@ def lean_step(model: Any, cache: Any) -> Step:
             k = qk[:, n_heads:]
             v = fused[..., q_size + kv_size:].view(batch, width, n_kv, head_dim).transpose(1, 2)
             k, v = cache_layer.append(k, v)
-            if own_mask is None and (mask is not None or width > 1):  # the same for every layer
+            if own_mask is None and tree is not None:
+                seen = torch.cat([tree.new_ones((width, k.shape[-2] - width)), tree], dim=1)
+                own_mask = seen.repeat(groups, 1)[None, None]  # rows in (group, position) order, as q is packed
+            elif own_mask is None and (mask is not None or width > 1):  # the same for every layer
                 own_mask = _own_mask(mask, cache_layer.shared_len, k.shape[-2], width, groups)
             if cache_layer.shared_keys is None:
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=own_mask, scale=scaling)

@@ -17,6 +17,8 @@ from .prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT_WINDOW = 8192
+PROMPT_CACHE_BYTES = 256 * 2**20
+"""`TransformersPolicy.prompt_cache`: about 50 tool lines of ~110 tokens at 46 KB a token (SmolLM2-135M)."""
 SCORE_MEMO_ENTRIES = 4096
 """`score` results kept per loaded model. They depend only on the weights and the tokens, so a task run
 again (another mode of an eval, a person re-running a task) reuses them: above all the tool channel's
@@ -37,7 +39,8 @@ class TransformersPolicy:
     def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = DEFAULT_MAX_BYTES,
                  score_memo: int = SCORE_MEMO_ENTRIES) -> None:
         """`prefix_cache_bytes`: memory for the KV of recent prompt prefixes (0: no cross-step cache);
-        `score_memo`: how many `score` results to keep (0 for a model whose weights change under it)."""
+        `score_memo`: how many `score` results to keep (0 for a model whose weights change under it: then no
+        `prompt_cache` either)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -55,6 +58,10 @@ class TransformersPolicy:
         self._lock = threading.Lock()
         self.prefix_cache: PrefixCache | None = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.score_memo = score_memo
+        self.prompt_cache: PrefixCache | None = (
+            PrefixCache(PROMPT_CACHE_BYTES) if score_memo > 0 and prefix_cache_bytes > 0 else None)
+        """KV of short prompts `score` has encoded (the channel's tool lines), kept across episodes: an episode
+        reset does not clear it (`forget_scores` does), since those prompts hold nothing of an episode."""
         self._scores: OrderedDict[bytes, list[float]] = OrderedDict()
         """Recent `score` results by (prompt, continuation) tokens (see `score`)."""
         self.timings = Timings()
@@ -150,7 +157,7 @@ class TransformersPolicy:
             if missing:
                 with self.timings.phase("score.forward"):
                     fresh = score(self.model, [prompt_ids[i] for i in missing], [cont_ids[i] for i in missing],
-                                  self.pad_id, prefix_cache=self.prefix_cache)
+                                  self.pad_id, prefix_cache=self.prefix_cache, prompt_cache=self.prompt_cache)
                 for i, lps in zip(missing, fresh):
                     self._scores[keys[i]] = lps
             results = []
@@ -161,10 +168,13 @@ class TransformersPolicy:
                 self._scores.popitem(last=False)
             return results
 
-    def forget_scores(self) -> None:
-        """Drop the memo of `score` results (a benchmark that times first scorings)."""
+    def forget_scores(self, prompts: bool = True) -> None:
+        """Drop the memo of `score` results, and with `prompts` the `prompt_cache` too (a benchmark that times
+        first scorings)."""
         with self._lock:
             self._scores.clear()
+            if prompts and self.prompt_cache is not None:
+                self.prompt_cache.clear()
 
     def reference_generate(self, prompt: Prompt, max_new_tokens: int) -> str:
         """Plain `model.generate` greedy text for one prompt (tests and the benchmark compare against it)."""

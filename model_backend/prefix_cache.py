@@ -97,6 +97,20 @@ class PrefixCache:
             self.stats.computed_tokens += len(ids) - best_len
             return best_len
 
+    def lookup(self, ids: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Per-layer keys and values ([1, heads, len(ids), dim] views, not copies) of a stored entry that holds
+        all of `ids`; None when none does. Counted as a lookup, and as a hit that reused every token."""
+        with self._lock:
+            self.stats.lookups += 1
+            n = len(ids)
+            entry = next((e for e in self._entries.values() if len(e.ids) >= n and _common_len(e.ids, ids) == n), None)
+            if entry is None or n < self.min_tokens:
+                return None
+            self._entries.move_to_end(entry.ids)
+            self.stats.hits += 1
+            self.stats.reused_tokens += n
+            return [k[..., :n, :] for k in entry.keys], [v[..., :n, :] for v in entry.values]
+
     def covered(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` a stored entry holds (a lookup that changes nothing)."""
         with self._lock:

@@ -290,6 +290,77 @@ def test_score_identical_prompts(policy: Any) -> None:
     assert no == pytest.approx(plain_logprobs(policy, prompt, "no it is"), abs=1e-4)
 
 
+def test_token_tree_shares_beginnings_and_sees_only_ancestors() -> None:
+    from model_backend.decoding import TokenTree
+
+    tree = TokenTree([[5, 6, 7], [5, 6, 8], [5, 9], [4]])
+    # node 0 is the prompt's last token; 5, 6 are shared: 1 + 6 nodes for 9 continuation tokens
+    assert tree.tokens == [-1, 5, 6, 7, 8, 9, 4]
+    assert tree.depths == [0, 1, 2, 3, 3, 2, 1]
+    seen = tree.ancestry()
+    assert seen[3].nonzero().flatten().tolist() == [0, 1, 2, 3]  # 7 sees the prompt, 5, 6 and itself
+    assert seen[4].nonzero().flatten().tolist() == [0, 1, 2, 4]  # 8 does not see its sibling 7
+    assert seen[6].nonzero().flatten().tolist() == [0, 6]
+    assert tree.predicting([5, 6, 8]) == [0, 1, 2]
+    assert tree.predicting([4]) == [0]
+
+
+@pytest.mark.slow
+def test_score_of_one_prompt_as_a_token_tree_matches_plain_forwards(policy: Any, monkeypatch: Any) -> None:
+    # The tool ranking's case: one Act prompt, many names that share their first tokens. They are
+    # encoded once as a tree in one row (decoding._score_tree), each scored as if alone after the prompt.
+    prompt = user("Which tool lists the files here?", system="Tools: ls, list_files, list_dirs, pwd, cd.",
+                  prefill='<tool_call>{"name": "')
+    names = ['ls"', 'list_files"', 'list_dirs"', 'pwd"', 'cd"']
+    from model_backend import decoding
+
+    trees: list[Any] = []
+    real = decoding._score_tree
+    monkeypatch.setattr(decoding, "_score_tree", lambda model, p, tree, *a: (trees.append(tree), real(model, p, tree, *a)))
+    policy.forget_scores()
+    scored = policy.score([prompt] * len(names), names)
+    assert len(trees) == 1
+    name_tokens = sum(len(policy.tokenizer.encode(n, add_special_tokens=False)) for n in names)
+    assert len(trees[0].tokens) - 1 < name_tokens  # "list" is encoded once for two names
+    for name, lps in zip(names, scored):
+        assert lps == pytest.approx(plain_logprobs(policy, prompt, name), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_short_prompts_are_kept_across_episodes_and_restored_side_by_side(policy: Any) -> None:
+    # The channel's case: each tool line is its own prompt, and the request changes every turn. The
+    # prompts' KV stays in `prompt_cache` (an episode reset keeps it); a new request restores every
+    # prompt into one batch and encodes only the request, with the log-probabilities of plain forwards.
+    from model_backend.loading import LoadedModel
+
+    lines = ["Tool `ls`: list the files in the current directory.",
+             "Tool `cd`: change the current directory to the given folder.",
+             "Tool `post_tweet`: post a tweet with the given content and tags."]
+    prompts = [user(f"{line}\nWrite a request a user could make that needs this tool.") for line in lines]
+    cache = policy.prompt_cache
+    assert cache is not None
+    policy.forget_scores()
+    assert len(cache) == 0
+    policy.score(prompts, ["Show me my files."] * 3)
+    assert len(cache) == 3
+    policy.reset_cache()  # an episode reset
+    assert len(cache) == 3
+    hits = cache.stats.hits
+    request = "Tweet that the report is done, tagged #work."
+    restored = policy.score(prompts, [request] * 3)
+    assert cache.stats.hits - hits == 3
+    for prompt, lps in zip(prompts, restored):
+        assert lps == pytest.approx(plain_logprobs(policy, prompt, request), abs=1e-3)
+    policy.forget_scores(prompts=False)
+    assert len(cache) == 3
+    policy.forget_scores()
+    assert len(cache) == 0
+    loaded = policy.loaded
+    moving = TransformersPolicy(LoadedModel(loaded.model, loaded.tokenizer, loaded.spec, loaded.device,
+                                            loaded.dtype, 0.0, False), score_memo=0)
+    assert moving.prompt_cache is None  # weights that train under it keep no KV across calls
+
+
 @pytest.mark.slow
 def test_second_load_is_fast(policy: Any) -> None:
     start = time.perf_counter()
