@@ -251,6 +251,25 @@ def _store_rows(prefix_cache: PrefixCache, seqs: Sequence[Sequence[int]], length
         prefix_cache.store_tensors(list(seq), keys, values)
 
 
+TOP_P_CANDIDATES = 256
+"""`nucleus` looks among this many most likely tokens first (sorting all 49,152 took 3 ms a row a token)."""
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` ([V]) with the tokens outside the nucleus zeroed: tokens are dropped, most likely first, once the
+    mass before them reaches `top_p` (the first always stays). The nucleus lies among the TOP_P_CANDIDATES most
+    likely tokens whenever those hold `top_p` of the mass (any token after them has that much before it);
+    only otherwise is the whole vocabulary sorted. The kept values are the input's, unchanged."""
+    k = min(TOP_P_CANDIDATES, probs.numel())
+    top, order = probs.topk(k)
+    cumulative = top.cumsum(0)
+    if k < probs.numel() and cumulative[-1] < top_p:
+        top, order = probs.sort(descending=True)
+        cumulative = top.cumsum(0)
+    keep = cumulative - top < top_p
+    return torch.zeros_like(probs).scatter_(0, order[keep], top[keep])
+
+
 def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Generator | None]) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, seeded top-p sampling for the others."""
     chosen = logits.argmax(dim=-1)
@@ -259,11 +278,7 @@ def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Ge
             continue
         probs = torch.softmax(logits[i].float() / row.temperature, dim=-1)
         if row.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Drop tokens once the mass before them already reaches top_p (the first always stays).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= row.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            probs = nucleus(probs, row.top_p)
         # The generator lives on the CPU, so sample there: same seed -> same tokens on any device.
         chosen[i] = torch.multinomial(probs.cpu(), 1, generator=gen).item()
     return chosen

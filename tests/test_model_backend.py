@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model_backend import (
     AdapterError,
@@ -288,6 +291,26 @@ def test_score_identical_prompts(policy: Any) -> None:
     yes, no = policy.score([prompt, prompt], ["yes it is", "no it is"])
     assert yes == pytest.approx(plain_logprobs(policy, prompt, "yes it is"), abs=1e-4)
     assert no == pytest.approx(plain_logprobs(policy, prompt, "no it is"), abs=1e-4)
+
+
+def full_sort_nucleus(probs: Any, top_p: float) -> Any:
+    """The nucleus by a sort of the whole vocabulary (what `decoding.nucleus` replaced)."""
+    sorted_probs, order = probs.sort(descending=True)
+    sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+@given(seed=st.integers(0, 2**31), sharpness=st.floats(0.0, 8.0), top_p=st.floats(0.05, 0.999))
+@settings(max_examples=200, deadline=None)
+def test_nucleus_keeps_what_a_full_sort_keeps(seed: int, sharpness: float, top_p: float) -> None:
+    # Flat distributions (sharpness near 0) put the nucleus beyond the first 256 tokens: the full-sort fallback.
+    from model_backend.decoding import nucleus
+
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(seed)) * sharpness
+    probs = torch.softmax(logits, dim=-1)
+    kept = nucleus(probs, top_p)
+    assert torch.equal(kept, full_sort_nucleus(probs.clone(), top_p))
+    assert kept.count_nonzero() >= 1
 
 
 def test_token_tree_shares_beginnings_and_sees_only_ancestors() -> None:
