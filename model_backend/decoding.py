@@ -189,11 +189,17 @@ def prefill(
         prefix_cache = rows_cache = None  # a sliding-window layer's cache cannot be cut at a position
     if prefix_len > 0:
         encode_prefix(model, list(seqs[0][:prefix_len]), cache, prefix_cache)
-        if batch > 1:
-            cache.batch_repeat_interleave(batch)
-
     suffixes = [list(s[prefix_len:]) for s in seqs]
     width = max(len(s) for s in suffixes)
+    tree = None
+    if batch > 1 and keep == 1 and prefix_len > 0 and lean_supported(model, cache):
+        tree = TokenTree(suffixes)
+        if len(tree.tokens) - 1 > min(TREE_SHARE * batch * width, TREE_MAX_NODES):
+            tree = None
+    tree_logits = _encode_tree(model, cache, tree, prefix_len) if tree is not None else None
+    if prefix_len > 0 and batch > 1:
+        cache.batch_repeat_interleave(batch)
+
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     mask = torch.zeros((batch, prefix_len + width), dtype=torch.long)
     mask[:, :prefix_len] = 1
@@ -205,18 +211,60 @@ def prefill(
         mask[i, prefix_len + width - n :] = 1
         positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
     has_padding = bool((mask == 0).any())
-    # Short rows after a shared prefix (K Act rows, tool names to rank): the lean step's cascade attention
-    # reads the prefix's keys once for all rows, where the forward builds B copies of them in every layer.
-    # Long suffixes (K Rehearse prompts) stay with the forward's fused attention, which measured faster there.
-    lean = prefix_len > 0 and batch > 1 and width <= LEAN_PREFILL_WIDTH
-    forward = decode_step(model, cache) if lean else generic_step(model, cache)
-    logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
+    if tree is not None and tree_logits is not None:
+        logits = _tree_rows(cache, tree, tree_logits, suffixes, width)
+    else:
+        # Short rows after a shared prefix (tool names to rank): the lean step's cascade attention reads the
+        # prefix's keys once for all rows, where the forward builds B copies of them in every layer. Long
+        # suffixes stay with the forward's fused attention, which measured faster there.
+        lean = prefix_len > 0 and batch > 1 and width <= LEAN_PREFILL_WIDTH
+        forward = decode_step(model, cache) if lean else generic_step(model, cache)
+        logits = forward(input_ids.to(device), mask.to(device) if has_padding else None, positions.to(device), keep)
     rows_cache = rows_cache if rows_cache is not None else prefix_cache
     if rows_cache is not None and batch > 1:
         _store_rows(rows_cache, [list(s[:n]) for s, n in zip(seqs, rows_stored or [len(s) for s in seqs])],
                     [len(s) for s in seqs], prefix_len, width, cache)
     next_positions = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=device)
     return Prefilled(cache, logits, mask.to(device), next_positions, has_padding, prefix_len)
+
+
+TREE_SHARE = 0.8
+"""`prefill` encodes the rows' suffixes as one token tree when its nodes are at most this share of the batch's
+padded positions (K Rehearse prompts of calls to one tool share its description; K Act rows, their prompt)."""
+TREE_MAX_NODES = 2048
+
+
+def _encode_tree(model: Any, cache: DynamicCache, tree: TokenTree, prefix_len: int) -> tuple[torch.Tensor, list]:
+    """The suffixes' token tree in one row after the prefix (batch 1, tree attention). Returns each node's
+    logits ([N, V], node n at index n - 1) and, per layer, the nodes' keys and values; the cache is cut back
+    to the prefix."""
+    ids = torch.tensor([tree.tokens[1:]], device=model.device)
+    positions = torch.tensor([[prefix_len + d - 1 for d in tree.depths[1:]]], device=model.device)
+    seen = tree.ancestry()[1:, 1:].to(model.device)
+    logits = lean_step(model, cache)(ids, None, positions, ids.shape[1], tree=seen)[0]
+    nodes = []
+    for layer in cache.layers:
+        nodes.append((layer._k[..., prefix_len:layer._len, :].clone(), layer._v[..., prefix_len:layer._len, :].clone()))
+        layer._len = prefix_len
+        layer.keys, layer.values = layer._k[..., :prefix_len, :], layer._v[..., :prefix_len, :]
+    return logits, nodes
+
+
+def _tree_rows(cache: DynamicCache, tree: TokenTree, encoded: tuple[torch.Tensor, list], suffixes: list[list[int]],
+               width: int) -> torch.Tensor:
+    """Each row's own keys and values gathered from its path through the tree, right-aligned in `width` (pads
+    left, masked), after the shared prefix; returns the logits of each row's last token ([B, 1, V])."""
+    logits, nodes = encoded
+    pad = len(tree.tokens) - 1  # index of a zero slot after the nodes
+    index = torch.full((len(suffixes), width), pad, dtype=torch.long)
+    for i, suffix in enumerate(suffixes):
+        index[i, width - len(suffix):] = torch.tensor(tree.path(suffix)) - 1
+    index = index.to(logits.device)
+    for layer, (keys, values) in zip(cache.layers, nodes):
+        keys = torch.cat([keys, keys.new_zeros(keys[..., :1, :].shape)], dim=-2)[0]  # [heads, N + 1, dim]
+        values = torch.cat([values, values.new_zeros(values[..., :1, :].shape)], dim=-2)[0]
+        layer.append(keys[:, index].transpose(0, 1), values[:, index].transpose(0, 1))  # [B, heads, width, dim]
+    return logits[index[:, -1]][:, None, :]
 
 
 def encode_prefix(model: Any, prefix_ids: list[int], cache: DynamicCache, prefix_cache: PrefixCache | None) -> None:
@@ -521,13 +569,15 @@ class TokenTree:
 
     def ancestry(self) -> torch.Tensor:
         """[N, N] bool: node i sees node j when j is i or one of its ancestors."""
-        seen = torch.zeros((len(self.tokens), len(self.tokens)), dtype=torch.bool)
-        for i in range(len(self.tokens)):
-            j = i
-            while j >= 0:
-                seen[i, j] = True
-                j = self.parents[j]
+        seen = torch.eye(len(self.tokens), dtype=torch.bool)
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:  # a parent comes before its children: its row is complete
+                seen[i] |= seen[parent]
         return seen
+
+    def path(self, continuation: Sequence[int]) -> list[int]:
+        """The nodes of a continuation's tokens, in order."""
+        return [self._nodes[tuple(continuation[: n + 1])] for n in range(len(continuation))]
 
     def predicting(self, continuation: Sequence[int]) -> list[int]:
         """The node whose logits predict each token of a continuation: the node of the path before it."""

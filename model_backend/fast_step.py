@@ -247,7 +247,9 @@ def lean_step(model: Any, cache: Any) -> Step:
             k, v = cache_layer.append(k, v)
             if own_mask is None and tree is not None:
                 seen = torch.cat([tree.new_ones((width, k.shape[-2] - width)), tree], dim=1)
-                own_mask = seen.repeat(groups, 1)[None, None]  # rows in (group, position) order, as q is packed
+                seen = seen.repeat(groups, 1)[None, None]  # rows in (group, position) order, as q is packed
+                # Additive, made once: attention converts a boolean mask to this in every layer otherwise.
+                own_mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
             elif own_mask is None and (mask is not None or width > 1):  # the same for every layer
                 own_mask = _own_mask(mask, cache_layer.shared_len, k.shape[-2], width, groups)
             if cache_layer.shared_keys is None:

@@ -329,6 +329,31 @@ def test_token_tree_shares_beginnings_and_sees_only_ancestors() -> None:
 
 
 @pytest.mark.slow
+def test_rows_sharing_part_of_their_suffixes_decode_as_each_alone(policy: Any, monkeypatch: Any) -> None:
+    # K Rehearse prompts: two rows call one tool (its description shared after the history), one another.
+    # Their suffixes are encoded once as a token tree (decoding._encode_tree); each row's greedy text and
+    # log-probabilities are the ones it gets decoded alone.
+    from model_backend import decoding
+    from model_backend.decoding import Row, generate
+
+    history = "Calls so far: " + ", ".join(f"cd(folder='d{i}') -> ok" for i in range(8))
+    spec = "Tool: wc(file_name: str, mode: str = 'l'): count lines, words or characters of a file."
+    prompts = [user(f"{history}\n{spec}\nCall: wc(file_name='{f}')", prefill="Result:") for f in ("a.txt", "notes.md")]
+    prompts.append(user(f"{history}\nTool: pwd(): the current directory.\nCall: pwd()", prefill="Result:"))
+    rows = [Row(policy.encode(p)) for p in prompts]
+    trees: list[Any] = []
+    real = decoding._encode_tree
+    monkeypatch.setattr(decoding, "_encode_tree", lambda *a: (trees.append(a[2]), real(*a))[1])
+    together = generate(policy.model, policy.tokenizer, rows, SHORT, policy.eos_ids, policy.pad_id)
+    assert len(trees) == 1 and len(trees[0].tokens) - 1 < sum(len(r.ids) for r in rows) - 3 * decoding.common_prefix_len(
+        [r.ids for r in rows])  # the shared description is one branch of the tree
+    for row, out in zip(rows, together):
+        alone = generate(policy.model, policy.tokenizer, [row], SHORT, policy.eos_ids, policy.pad_id)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-3)
+
+
+@pytest.mark.slow
 def test_score_of_one_prompt_as_a_token_tree_matches_plain_forwards(policy: Any, monkeypatch: Any) -> None:
     # The tool ranking's case: one Act prompt, many names that share their first tokens. They are
     # encoded once as a tree in one row (decoding._score_tree), each scored as if alone after the prompt.
