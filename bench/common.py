@@ -13,12 +13,24 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
 
+def cpu() -> str:
+    """The CPU's model name and its widest vector units (figures differ a lot between such machines)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    units = [u for u in ("amx_tile", "avx512_bf16", "avx512f", "avx2") if u in flags]
+    return f"{name} ({', '.join(units) or 'no AVX2'})"
+
+
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "load_average": os.getloadavg()}
+    return {"cpus": os.cpu_count(), "cpu": cpu(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "load_average": os.getloadavg()}
 
 
 def write_results(name: str, data: dict) -> Path:

@@ -638,14 +638,15 @@ def _score_restored(
     held = [len(prompts[i]) - 1 for i in rows]
     span = max(held)
     cache = new_cache(model.config)
-    for layer_index, layer in enumerate(cache.layers):
-        first = stored[rows[0]][0][layer_index]
-        keys = first.new_zeros((batch, first.shape[1], span, first.shape[-1]))
-        values = torch.zeros_like(keys)
-        for b, i in enumerate(rows):
-            keys[b, :, span - held[b]:] = stored[i][0][layer_index][0]
-            values[b, :, span - held[b]:] = stored[i][1][layer_index][0]
-        layer.append(keys, values)
+    with torch.inference_mode():
+        for layer_index, layer in enumerate(cache.layers):
+            first = stored[rows[0]][0][layer_index]
+            keys = first.new_zeros((batch, first.shape[1], span, first.shape[-1]))
+            values = torch.zeros_like(keys)
+            for b, i in enumerate(rows):
+                keys[b, :, span - held[b]:] = stored[i][0][layer_index][0]
+                values[b, :, span - held[b]:] = stored[i][1][layer_index][0]
+            layer.append(keys, values)
     feeds = [[prompts[i][-1], *continuations[i]] for i in rows]
     width = max(len(f) for f in feeds)
     ids = torch.full((batch, width), pad_id, dtype=torch.long)

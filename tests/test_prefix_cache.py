@@ -9,7 +9,7 @@ import torch
 
 from app import envs
 from app.training.agent import run_episode
-from app.config import SHIPPED_ADAPTER
+from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER
 from app.records import RunSettings
 from model_backend import GenerationConfig, Prompt, load_policy
 from model_backend.decoding import new_cache
@@ -86,20 +86,24 @@ def test_growing_prompts_decode_the_same_with_and_without_the_cache(policy: Any)
 
 
 def test_held_out_episodes_are_the_same_with_and_without_the_cache() -> None:
-    """Act, Rehearse and scoring prompts of real episodes of the shipped agent, greedy (K=1), 3 held-out tasks."""
+    """Act, Rehearse and scoring prompts of real episodes of the shipped agent, greedy (K=1), 3 held-out tasks,
+    with the tool ranking on (its names scored as a token tree, the channel's tool lines restored from
+    the prompt cache) and off: no cache at all, no score memo."""
     policy = load_policy("embedded", adapter=SHIPPED_ADAPTER)
     settings = RunSettings(mode="parallel", branches=1, selector="logprob", shadow=False, max_steps_per_turn=2,
-                           max_action_tokens=40, max_rehearsal_tokens=40)
-    cache = policy.prefix_cache
+                           max_action_tokens=40, max_rehearsal_tokens=40, relevance=DEFAULT_RELEVANCE)
+    cache, prompts = policy.prefix_cache, policy.prompt_cache
     for task_id in envs.list_tasks("multi_turn_base", "heldout")[:3]:
         cache.clear()
+        policy.forget_scores(prompts=False)  # the tool lines of earlier tasks stay, as in a session
         with_cache = run_episode(task_id, policy, settings, max_turns=1)
         reused = cache.stats.reused_tokens
-        policy.prefix_cache = None
+        policy.prefix_cache = policy.prompt_cache = None
+        policy.forget_scores()
         try:
             without = run_episode(task_id, policy, settings, max_turns=1)
         finally:
-            policy.prefix_cache = cache
+            policy.prefix_cache, policy.prompt_cache = cache, prompts
         texts = [[(b.action_text, b.predicted_text) for b in s.branches] for s in with_cache.steps]
         assert texts == [[(b.action_text, b.predicted_text) for b in s.branches] for s in without.steps]
         assert len(with_cache.steps) >= 2
