@@ -245,10 +245,14 @@ def main() -> None:
                         "ratio_batch1_generic": speed["ours_batch1_generic_tok_s"] / bound,
                         "ratio_batch1_bf16": speed["ours_batch1_bf16_tok_s"] / (2 * bound),
                         "goal_ratio": 0.7}
+    # numpy's read runs on one thread; where torch reads faster with all of them (12 against 26 GB/s on the
+    # AVX2 machine), the stricter bound is torch's: both ratios are kept.
+    best_read = max(bw["read_gb_s"], bw["torch_read_gb_s"]) * 1e9
     for w, q in quantized.items():
         qbytes = weight_bytes(q.model)
         results["bound"][w] = {"weight_bytes": qbytes, "bound_tok_s": bw["read_gb_s"] * 1e9 / qbytes,
-                               "ratio_batch1": speed[f"ours_batch1_{w}_tok_s"] * qbytes / (bw["read_gb_s"] * 1e9)}
+                               "ratio_batch1": speed[f"ours_batch1_{w}_tok_s"] * qbytes / (bw["read_gb_s"] * 1e9),
+                               "ratio_batch1_best_read": speed[f"ours_batch1_{w}_tok_s"] * qbytes / best_read}
     print(f"(b) numpy read {bw['read_gb_s']:.1f} GB/s (torch, all threads: {bw['torch_read_gb_s']:.1f}), copy "
           f"{bw['copy_gb_s']:.1f} GB/s; weights {nbytes / 1e6:.0f} MB -> bound {bound:.1f} tok/s; batch 1 reaches "
           f"{results['bound']['ratio_batch1']:.0%} (goal 70%; through model(...) "
