@@ -47,7 +47,7 @@ run: setup
 	$(PYTHON) -m app serve
 
 test: setup browser-deps mcp-deps
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=20
 
 test-fast: setup mcp-deps
 	$(PYTHON) -m pytest -q -m "not slow and not browser"
