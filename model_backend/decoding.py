@@ -525,15 +525,15 @@ def score(
     probe = new_cache(model.config)
     if any(type(layer) is not _GrowingLayer for layer in probe.layers):
         prefix_cache = prompt_cache = None  # a sliding-window layer's cache cannot be cut at a position
-    if (len(rows) > 1 and len({tuple(prompts[i]) for i in rows}) == 1 and len(prompts[rows[0]]) > 1
-            and lean_supported(model, probe)):
+    distinct = len({tuple(prompts[i]) for i in rows})
+    if len(rows) > 1 and distinct == 1 and len(prompts[rows[0]]) > 1 and lean_supported(model, probe):
         tree = TokenTree([continuations[i] for i in rows])
         if len(tree.tokens) < max_positions:
             _score_tree(model, prompts[rows[0]], tree, prefix_cache, [results[i] for i in rows])
             return results
     caches = [c for c in (prefix_cache, prompt_cache) if c is not None]
     stored: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    if caches and len(rows) > 1 and len({tuple(prompts[i]) for i in rows}) == len(rows):
+    if caches and len(rows) > 1 and distinct == len(rows):
         for i in rows:
             found = next((f for c in caches if (f := c.lookup(prompts[i][:-1])) is not None), None)
             if found is not None:

@@ -103,8 +103,10 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             n = len(ids)
+            if n < self.min_tokens:
+                return None
             entry = next((e for e in self._entries.values() if len(e.ids) >= n and _common_len(e.ids, ids) == n), None)
-            if entry is None or n < self.min_tokens:
+            if entry is None:
                 return None
             self._entries.move_to_end(entry.ids)
             self.stats.hits += 1
