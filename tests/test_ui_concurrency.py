@@ -36,7 +36,7 @@ def drive(url: str, task_id: str, out: dict, errors: list) -> None:
 
     try:
         with sync_playwright() as p:
-            browser = launch(p)
+            browser = launch(p, nice=True)  # the server, not eight repainting pages, gets the cores
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(120_000)
             page.goto(url)
