@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_weights.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
-           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py"]
+           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -115,6 +116,15 @@ def table() -> str:
         rows.append(f"| read-only endpoints, {load_run['clients']} clients for {fmt(load_run['seconds'], ' s')}: "
                     f"error rate / p50 / p95 | {fmt(load_run['error_rate'])} / {fmt(load_run['latency_s_p50'], ' s')} / "
                     f"{fmt(load_run['latency_s_p95'], ' s')} ({fmt(load_run['requests_per_s'])} requests/s) | |")
+    gil = load("gil")
+    if gil:
+        by = {r["switch_interval_s"]: r for r in gil["with_busy_thread"]}
+        default, ours = by.get(gil["python_default_interval_s"]), by.get(gil["server_interval_s"])
+        if default and ours:
+            rows.append(f"| batch-1 decode beside a busy Python thread: median tokens/s at Python's 5 ms switch interval "
+                        f"/ at the server's {fmt(gil['server_interval_s'] * 1e3, ' ms')} (alone) | "
+                        f"{fmt(statistics.median(default['decode_tok_s']))} / {fmt(statistics.median(ours['decode_tok_s']))} "
+                        f"({fmt(gil['decode_alone_tok_s'])}) | |")
     pc = load("prefix_cache")
     for i, r in pc.get("by_step", {}).items():
         rows.append(f"| step {i}, shipped adapter, parallel K={pc['k']}: cached / uncached prefix | "

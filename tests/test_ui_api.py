@@ -6,13 +6,14 @@ browser session. The real model and a real browser are exercised in test_ui_brow
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import pytest
 from gradio_client import Client
 from scripted import ScriptedPolicy
 
-from app.ui import build_demo
+from app.ui import SWITCH_INTERVAL_S, build_demo
 from app.ui import constants as C
 
 LS = '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'
@@ -65,6 +66,13 @@ def form(**overrides):
                   constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
     values.update(overrides)
     return values
+
+
+def test_the_server_takes_the_gil_back_quickly(app):
+    # The model's worker thread retakes the GIL at every tensor op; Python's 5 ms default let a busy callback
+    # stall a step (bench/bench_gil.py). The server process runs at SWITCH_INTERVAL_S.
+    assert SWITCH_INTERVAL_S < 0.005
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
 
 
 def test_step_shows_branches_and_saves_the_step(app):

@@ -5,6 +5,7 @@ callbacks module, and the work happens in `app.service` and `app.ui.render`.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import gradio as gr
@@ -28,6 +29,15 @@ Step a tool-using agent that **rehearses** its calls: each step proposes K candi
 predicts each call's response, a selector commits one to the real tools, and the alternatives run on
 forks (writes included) to show their real response. Compare predicted and actual responses, annotate divergences, track fidelity on the dashboard, and
 fine-tune the agent on your corrections."""
+
+
+SWITCH_INTERVAL_S = 0.0002
+"""The server's GIL switch interval (`sys.setswitchinterval`; Python's default is 5 ms). A step decodes in a
+worker thread that gives the GIL up and takes it back at every tensor op (about 500 a token); while another
+thread runs pure Python (a visitor's page render, an upload being parsed), each take waits up to the interval.
+bench/bench_gil.py measured batch-1 decode beside a busy thread on the 2-core CPU (29 tok/s alone): 0.09-7.4 tok/s
+at 5 ms (median 0.27; it depends on which core each thread gets), 11-13 at 0.2 ms, where the busy thread keeps 70%
+of its own speed."""
 
 
 def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None,
@@ -56,5 +66,6 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
     if mcp:
         only_world_model_public(demo)
     demo.queue(default_concurrency_limit=C.MODEL_CONCURRENCY, max_size=64)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # process-wide: this process serves the model's steps
     demo.services = services  # type: ignore[attr-defined]  # tests and app.py reach the store through it
     return demo
