@@ -150,6 +150,55 @@ def _fused_layers(model: Any) -> list[tuple[Linear, Linear]]:
     return cached[1]
 
 
+class NativeWeights:
+    """A model's fp16 weights laid out for `native_decode.c`: per layer qkv, o, gate_up, down; the head."""
+
+    def __init__(self, model: Any) -> None:
+        def half(modules: Sequence[Any]) -> torch.Tensor:
+            return torch.cat([m._packed_params._weight_bias()[0] for m in modules]).half().contiguous()
+
+        self.layers = [(half([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]), half([l.self_attn.o_proj]),
+                        half([l.mlp.gate_proj, l.mlp.up_proj]), half([l.mlp.down_proj])) for l in model.model.layers]
+        self.head = half([model.lm_head])
+
+
+_NATIVE: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], NativeWeights]]" = weakref.WeakKeyDictionary()
+
+
+def native_supported(model: Any) -> bool:
+    """Whether `native_decode.c` computes this (lean-supported) model's decode step: every linear layer
+    fbgemm fp16 without a bias, sizes its vector loops take, a CPU and a built library (`native.library`)."""
+    from . import native
+
+    config = model.config
+    inner = model.model
+    head_dim = inner.layers[0].self_attn.head_dim
+    groups = config.num_attention_heads // config.num_key_value_heads
+    if model.device.type != "cpu" or config.hidden_size % 16 or config.intermediate_size % 16 or head_dim % 8:
+        return False
+    if head_dim > 128 or groups > 16 or inner.embed_tokens.weight.dtype != torch.float32:
+        return False
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if not _is_fp16_dynamic(m) or m._packed_params._weight_bias()[1] is not None:
+                return False
+    if not _is_fp16_dynamic(model.lm_head) or model.lm_head._packed_params._weight_bias()[1] is not None:
+        return False
+    return native.library() is not None
+
+
+def _native_weights(model: Any) -> NativeWeights | None:
+    """The model's `NativeWeights`, built once per set of weights; None where the native step does not apply."""
+    key = _weights_key(model)
+    cached = _NATIVE.get(model)
+    if cached is None or cached[0] != key:
+        if not native_supported(model):
+            return None
+        _NATIVE[model] = cached = (key, NativeWeights(model))
+    return cached[1]
+
+
 def _plain(module: Any) -> Linear:
     """`module(h)`, minus the module call's overhead for a plain `nn.Linear`."""
     if type(module) is torch.nn.Linear:
@@ -204,8 +253,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def lean_step(model: Any, cache: Any) -> Step:
-    """The decode step of a `LlamaForCausalLM`, as fused tensor ops (see the module docstring)."""
+def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
+    """The decode step of a `LlamaForCausalLM`, as fused tensor ops (see the module docstring); single-token
+    steps of an fp16 model run natively (`_native_step`) where `native_enabled` and the library is built."""
     config = model.config
     inner = model.model
     embed = inner.embed_tokens
@@ -224,12 +274,16 @@ def lean_step(model: Any, cache: Any) -> Step:
                        cache_layer))
     norm_w, norm_eps = inner.norm.weight, inner.norm.variance_epsilon
     lm_head = _plain(model.lm_head)
+    native_weights = _native_weights(model) if native_enabled else None
+    native_step = None if native_weights is None else _native_step(model, cache, native_weights)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              keep: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """`tree` ([W, W] bool, batch 1, no `mask`): which of the W new tokens each new one sees (a token tree:
         itself and its ancestors), instead of all earlier ones; every cached position stays visible."""
         batch, width = ids.shape
+        if native_step is not None and width == 1 and tree is None:
+            return native_step(ids, mask, positions)
         x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
         cos, sin = rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -266,6 +320,65 @@ def lean_step(model: Any, cache: Any) -> Step:
             x = x[:, -keep:]
         x = _rms_norm(x, norm_w, norm_eps)
         return lm_head(x)
+
+    return step
+
+
+def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[..., torch.Tensor]:
+    """One token a row through `native_decode.c`: three C calls a layer (before attention, attention over
+    [shared prefix | own keys], after attention) and one for the head; keys and values still go into the
+    cache through `append`, so the cache's bookkeeping is the torch step's."""
+    from . import native
+
+    lib = native.library()
+    assert lib is not None
+    config = model.config
+    inner = model.model
+    attn0 = inner.layers[0].self_attn
+    dim, scaling = attn0.head_dim, float(attn0.scaling)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    groups, hidden, mlp = heads // kv, config.hidden_size, config.intermediate_size
+    vocab = weights.head.shape[0]
+    embed, rotary = inner.embed_tokens, inner.rotary_emb
+    layers = [(layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon), qkv, o,
+               layer.post_attention_layernorm.weight.detach(), float(layer.post_attention_layernorm.variance_epsilon),
+               gate_up, down, cache_layer)
+              for layer, (qkv, o, gate_up, down), cache_layer in zip(inner.layers, weights.layers, cache.layers)]
+    norm_w, norm_eps = inner.norm.weight.detach(), float(inner.norm.variance_epsilon)
+    scratch_size = max(hidden + (heads + 2 * kv) * dim, hidden + 2 * mlp)
+
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        batch = ids.shape[0]
+        x = F.embedding(ids, embed.weight, embed.padding_idx).reshape(batch, hidden).contiguous()
+        cos, sin = rotary(x[:, None], positions)
+        cos, sin = cos.reshape(batch, dim).contiguous(), sin.reshape(batch, dim).contiguous()
+        q = x.new_empty((batch, heads, dim))
+        k, v = x.new_empty((batch, kv, 1, dim)), x.new_empty((batch, kv, 1, dim))
+        a = x.new_empty((batch, heads * dim))
+        scratch = x.new_empty((batch * scratch_size,))
+        own_mask = None
+        for in_w, in_eps, qkv, o, post_w, post_eps, gate_up, down, cache_layer in layers:
+            lib.envace_pre_attention(batch, hidden, heads, kv, dim, x.data_ptr(), in_w.data_ptr(), in_eps,
+                                     qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                     v.data_ptr(), scratch.data_ptr())
+            own_k, own_v = cache_layer.append(k, v)
+            shared_len = cache_layer.shared_len
+            if own_mask is None and mask is not None:
+                own_mask = mask[:, shared_len:].to(torch.uint8).contiguous()
+            if shared_len:
+                shared_k, shared_v = cache_layer.shared_keys, cache_layer.shared_values
+                shared = (shared_k.data_ptr(), shared_v.data_ptr(), shared_k.stride(1))
+            else:
+                shared = (None, None, 0)
+            lib.envace_attention(batch, kv, groups, dim, q.data_ptr(), *shared, shared_len, own_k.data_ptr(),
+                                 own_v.data_ptr(), own_k.stride(0), own_k.stride(1), own_k.shape[-2],
+                                 None if own_mask is None else own_mask.data_ptr(), scaling, a.data_ptr())
+            lib.envace_post_attention(batch, hidden, mlp, x.data_ptr(), a.data_ptr(), o.data_ptr(), post_w.data_ptr(),
+                                      post_eps, gate_up.data_ptr(), down.data_ptr(), scratch.data_ptr())
+        logits = x.new_empty((batch, vocab))
+        lib.envace_head(batch, hidden, vocab, x.data_ptr(), norm_w.data_ptr(), norm_eps, weights.head.data_ptr(),
+                        logits.data_ptr(), scratch.data_ptr())
+        return logits[:, None]
 
     return step
 

@@ -1,0 +1,235 @@
+/* The native decode step: one token per row (B small) of a Llama-architecture layer, fp16 weights.
+ *
+ * Compiled at run time by model_backend/native.py (cc -O3 -march=native -fopenmp) and called through
+ * ctypes, which lets go of the GIL for each call. OpenMP here is the libgomp torch already loaded, so
+ * `torch.set_num_threads` sets these threads too. x86-64 with AVX2, FMA and F16C only.
+ *
+ * Arithmetic: fp16 weights widened to fp32 exactly (F16C), products and sums in fp32, as fbgemm's fp16
+ * kernel does; only the order of the sums differs, so logits match the torch path to float rounding.
+ *
+ * Layouts (all row-major, fp32 unless said): x [B, hidden]; weights fp16 [out, in] as nn.Linear keeps
+ * them, q/k/v projections concatenated (qkv) and gate/up concatenated (gate_up); q [B, heads, dim], the
+ * query heads of one key/value head adjacent (head = kv * groups + g); k, v [B, kv heads, dim].
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_hadd_ps(lo, lo);
+    lo = _mm_hadd_ps(lo, lo);
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. Each output's weight row is read once
+ * for all M rows of x (at most 4 at a time; more re-read it from L1). */
+static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint16_t *w = W + (long)n * K;
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int rows = M - m0 < 4 ? M - m0 : 4;
+            __m256 acc[4][2];
+            for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+            for (int k = 0; k < K; k += 16) {
+                __m256 w0 = load_f16(w + k), w1 = load_f16(w + k + 8);
+                for (int m = 0; m < rows; m++) {
+                    const float *xm = x + (long)(m0 + m) * K + k;
+                    acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);
+                    acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1]);
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                float s = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+                float *out = y + (long)(m0 + m) * N + n;
+                *out = accumulate ? *out + s : s;
+            }
+        }
+    }
+}
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)), LlamaRMSNorm's formula, per row. */
+static void rms_norm(const float *x, const float *weight, float eps, float *out, int M, int H) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (long)m * H;
+        float ss = 0.f;
+        for (int i = 0; i < H; i++) ss += xm[i] * xm[i];
+        float r = 1.f / sqrtf(ss / H + eps);
+        for (int i = 0; i < H; i++) out[(long)m * H + i] = weight[i] * (xm[i] * r);
+    }
+}
+
+/* Rotary embedding of one head in place: x * cos + rotate_half(x) * sin. */
+static void rope(float *x, const float *cos, const float *sin, int dim) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Before attention: h = rms_norm(x); [q | k | v] = h @ qkv^T; rotary on q and k (cos, sin: [B, dim]).
+ * scratch: B * (hidden + (heads + 2 * kv) * dim) floats. */
+void envace_pre_attention(int B, int hidden, int heads, int kv, int dim, const float *x, const float *norm_w,
+                          float eps, const uint16_t *qkv, const float *cos, const float *sin, float *q, float *k,
+                          float *v, float *scratch) {
+    int width = (heads + 2 * kv) * dim;
+    float *h = scratch, *fused = scratch + (long)B * hidden;
+    rms_norm(x, norm_w, eps, h, B, hidden);
+    gemv(qkv, h, fused, B, width, hidden, 0);
+    for (int b = 0; b < B; b++) {
+        const float *f = fused + (long)b * width;
+        for (int i = 0; i < heads * dim; i++) q[(long)b * heads * dim + i] = f[i];
+        for (int i = 0; i < kv * dim; i++) {
+            k[(long)b * kv * dim + i] = f[heads * dim + i];
+            v[(long)b * kv * dim + i] = f[(heads + kv) * dim + i];
+        }
+        for (int hd = 0; hd < heads; hd++) rope(q + ((long)b * heads + hd) * dim, cos + (long)b * dim, sin + (long)b * dim, dim);
+        for (int hd = 0; hd < kv; hd++) rope(k + ((long)b * kv + hd) * dim, cos + (long)b * dim, sin + (long)b * dim, dim);
+    }
+}
+
+/* Part of one query group's attention over keys [t0, t1) of one sequence of keys: its max score, the sum of
+ * exp(score - max) and the exp-weighted sum of values, per query of the group. Masked keys (mask[t] == 0)
+ * are skipped; a part with no visible key gets max = -inf. */
+static void attend_part(const float *q, int groups, int dim, const float *keys, const float *values, long stride,
+                        const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc,
+                        float *scores) {
+    for (int g = 0; g < groups; g++) { max[g] = -INFINITY; sum[g] = 0.f; }
+    for (int i = 0; i < groups * dim; i++) acc[i] = 0.f;
+    int n = t1 - t0;
+    for (int t = 0; t < n; t++) {
+        const float *kt = keys + (long)(t0 + t) * stride;
+        int visible = !mask || mask[t0 + t];
+        for (int g = 0; g < groups; g++) {
+            float s = -INFINITY;
+            if (visible) {
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < dim; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), _mm256_loadu_ps(kt + d), a);
+                s = hsum(a) * scale;
+                if (s > max[g]) max[g] = s;
+            }
+            scores[g * n + t] = s;
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        if (mask && !mask[t0 + t]) continue;
+        const float *vt = values + (long)(t0 + t) * stride;
+        for (int g = 0; g < groups; g++) {
+            float p = expf(scores[g * n + t] - max[g]);
+            sum[g] += p;
+            __m256 pv = _mm256_set1_ps(p);
+            for (int d = 0; d < dim; d += 8)
+                _mm256_storeu_ps(acc + g * dim + d,
+                                 _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(acc + g * dim + d)));
+        }
+    }
+}
+
+/* Single-query attention of B rows over [a prefix all rows share (P keys) | each row's own keys (S)].
+ * shared_k/v: [kv, P, dim] with head stride shared_hs (P = 0: none); own_k/v: [B, kv, S, dim] with batch
+ * stride own_bs and head stride own_hs; own_mask: [B, S] (1 = visible) or NULL. out: [B, heads, dim].
+ * The keys are cut into parts so that both threads have work at batch 1; the parts' softmaxes merge
+ * exactly through their maxima and sums. */
+void envace_attention(int B, int kv, int groups, int dim, const float *q, const float *shared_k,
+                      const float *shared_v, long shared_hs, int P, const float *own_k, const float *own_v,
+                      long own_bs, long own_hs, int S, const uint8_t *own_mask, float scale, float *out) {
+    int T = P + S;
+    int parts = (T + 255) / 256;
+    int want = (16 + B * kv - 1) / (B * kv);
+    if (parts > want) parts = want;
+    if (parts < 1) parts = 1;
+    int span = (T + parts - 1) / parts;
+    int tasks = B * kv * parts;
+    float *max = malloc(sizeof(float) * tasks * groups), *sum = malloc(sizeof(float) * tasks * groups);
+    float *acc = malloc(sizeof(float) * (long)tasks * groups * dim);
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * groups * (span + 1) * 2);
+#pragma omp for schedule(static)
+        for (int task = 0; task < tasks; task++) {
+            int b = task / (kv * parts), h = (task / parts) % kv, part = task % parts;
+            int t0 = part * span, t1 = t0 + span < T ? t0 + span : T;
+            const float *qg = q + ((long)b * kv + h) * groups * dim;
+            float *mx = max + (long)task * groups, *sm = sum + (long)task * groups;
+            float *ac = acc + (long)task * groups * dim;
+            /* A part may straddle the shared prefix and the own keys: attend to each side, merge. */
+            int s0 = t0 < P ? t0 : P, s1 = t1 < P ? t1 : P;
+            int o0 = (t0 > P ? t0 : P) - P, o1 = (t1 > P ? t1 : P) - P;
+            float m2[16], s2[16], a2[16 * 128];
+            if (P > 0)
+                attend_part(qg, groups, dim, shared_k + h * shared_hs, shared_v + h * shared_hs, dim, NULL, s0, s1,
+                            scale, mx, sm, ac, scores);
+            else
+                attend_part(qg, groups, dim, NULL, NULL, dim, NULL, 0, 0, scale, mx, sm, ac, scores);
+            attend_part(qg, groups, dim, own_k + b * own_bs + h * own_hs, own_v + b * own_bs + h * own_hs, dim,
+                        own_mask ? own_mask + (long)b * S : NULL, o0, o1, scale, m2, s2, a2, scores);
+            for (int g = 0; g < groups; g++) {
+                float m = mx[g] > m2[g] ? mx[g] : m2[g];
+                if (m == -INFINITY) continue;
+                float c1 = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m), c2 = m2[g] == -INFINITY ? 0.f : expf(m2[g] - m);
+                for (int d = 0; d < dim; d++) ac[g * dim + d] = ac[g * dim + d] * c1 + a2[g * dim + d] * c2;
+                sm[g] = sm[g] * c1 + s2[g] * c2;
+                mx[g] = m;
+            }
+        }
+        free(scores);
+    }
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < kv; h++)
+            for (int g = 0; g < groups; g++) {
+                float m = -INFINITY, s = 0.f;
+                for (int part = 0; part < parts; part++) {
+                    float mp = max[((long)(b * kv + h) * parts + part) * groups + g];
+                    if (mp > m) m = mp;
+                }
+                float *o = out + (((long)b * kv + h) * groups + g) * dim;
+                for (int d = 0; d < dim; d++) o[d] = 0.f;
+                if (m == -INFINITY) continue; /* nothing visible: zeros, as the torch path's merge gives */
+                for (int part = 0; part < parts; part++) {
+                    long task = (long)(b * kv + h) * parts + part;
+                    float mp = max[task * groups + g];
+                    if (mp == -INFINITY) continue;
+                    float c = expf(mp - m);
+                    s += sum[task * groups + g] * c;
+                    for (int d = 0; d < dim; d++) o[d] += acc[(task * groups + g) * dim + d] * c;
+                }
+                for (int d = 0; d < dim; d++) o[d] /= s;
+            }
+    free(max);
+    free(sum);
+    free(acc);
+}
+
+/* After attention: x += a @ o^T; h = rms_norm(x); [gate | up] = h @ gate_up^T; x += (silu(gate) * up) @ down^T.
+ * x is updated in place. scratch: B * (hidden + 2 * mlp) floats. */
+void envace_post_attention(int B, int hidden, int mlp, float *x, const float *a, const uint16_t *o_proj,
+                           const float *norm_w, float eps, const uint16_t *gate_up, const uint16_t *down,
+                           float *scratch) {
+    float *h = scratch, *gu = scratch + (long)B * hidden;
+    gemv(o_proj, a, x, B, hidden, hidden, 1);
+    rms_norm(x, norm_w, eps, h, B, hidden);
+    gemv(gate_up, h, gu, B, 2 * mlp, hidden, 0);
+    for (int b = 0; b < B; b++) {
+        float *g = gu + (long)b * 2 * mlp, *u = g + mlp, *act = gu + (long)b * mlp;
+        /* act overwrites the gate of row b in place: row b's act lies at or before its gate */
+        for (int i = 0; i < mlp; i++) {
+            float gi = g[i];
+            act[i] = gi / (1.f + expf(-gi)) * u[i];
+        }
+    }
+    gemv(down, gu, x, B, hidden, mlp, 1);
+}
+
+/* The head: logits = rms_norm(x) @ head^T. scratch: B * hidden floats. */
+void envace_head(int B, int hidden, int vocab, const float *x, const float *norm_w, float eps,
+                 const uint16_t *head, float *logits, float *scratch) {
+    rms_norm(x, norm_w, eps, scratch, B, hidden);
+    gemv(head, scratch, logits, B, vocab, hidden, 0);
+}
