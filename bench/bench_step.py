@@ -122,6 +122,7 @@ def main() -> None:
         print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']} (goal <= 1.3); K=4 p50 {rows['4']['p50_s']} s (goal <= 4)")
     figure(rows)
     write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
+                                   "native_decode": model_backend.native.status(),
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
                                    "relevance": args.relevance, "cold_prompts": args.cold_prompts,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})

@@ -124,12 +124,27 @@ def decode_step(model: Any, cache: Any) -> Step:
     return lean_step(model, cache) if lean_supported(model, cache) else generic_step(model, cache)
 
 
+class _Same:
+    """Equal to another `_Same` of the very same object (packed weights define no `==`)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _weights_key(model: Any) -> tuple[Any, ...]:
     """Changes whenever a weight is replaced or written in place (a merge, a load, an optimizer step)."""
-    key = []
+    key: list[Any] = []
     for module in model.modules():
         if type(module) is _dynamic_linear():
-            key.append(id(module._packed_params))
+            # The packed weights themselves (`set_weight_bias` replaces them), held so that their id is not reused.
+            key.append(_Same(module._packed_params._packed_params))
     for param in model.parameters():
         key.append((param.data_ptr(), param._version))
     return tuple(key)
@@ -162,7 +177,7 @@ class NativeWeights:
         self.head = half([model.lm_head])
 
 
-_NATIVE: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], NativeWeights]]" = weakref.WeakKeyDictionary()
+_NATIVE: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], NativeWeights | None]]" = weakref.WeakKeyDictionary()
 
 
 def native_supported(model: Any) -> bool:
@@ -190,12 +205,14 @@ def native_supported(model: Any) -> bool:
 
 def _native_weights(model: Any) -> NativeWeights | None:
     """The model's `NativeWeights`, built once per set of weights; None where the native step does not apply."""
+    from . import native
+
+    if native.library() is None:
+        return None
     key = _weights_key(model)
     cached = _NATIVE.get(model)
     if cached is None or cached[0] != key:
-        if not native_supported(model):
-            return None
-        _NATIVE[model] = cached = (key, NativeWeights(model))
+        _NATIVE[model] = cached = (key, NativeWeights(model) if native_supported(model) else None)
     return cached[1]
 
 

@@ -37,6 +37,7 @@ FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shar
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None
+_wanted = True
 
 
 def _cpu_flags() -> set[str]:
@@ -74,9 +75,18 @@ def _build(target: Path) -> None:
         os.replace(out, target)  # atomic: another process may be building the same file
 
 
+def use(wanted: bool) -> None:
+    """Turn the native step on or off for this process (benchmarks compare both; `ENVACE_NATIVE=0` is the
+    setting's environment form). Decode steps made after the call follow it."""
+    global _wanted
+    _wanted = wanted
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled native step, or None where it cannot run here (see `status`)."""
+    """The compiled native step, or None where it cannot run here or is turned off (see `status`)."""
     global _library, _status
+    if not _wanted:
+        return None
     with _lock:
         if _library is not None or _status is not None:
             return _library
@@ -109,6 +119,8 @@ def library() -> ctypes.CDLL | None:
 
 def status() -> str:
     """Whether the native step runs here, and if not why."""
+    if not _wanted:
+        return "off (native.use(False))"
     library()
     assert _status is not None
     return _status

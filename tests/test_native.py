@@ -1,0 +1,131 @@
+"""The native decode step (`native_decode.c`): the torch lean step's logits to float rounding and the same greedy
+tokens, at batch 1 and over a shared prefix with padded rows, on a small random model (attention split into
+parts that straddle the prefix) and on the embedded model with the same greedy text; its weights follow the
+model; and where it cannot run (turned off, no compiler) the torch step runs instead, with the reason said."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from model_backend import GenerationConfig, load_policy, native
+from model_backend import decoding, fast_step
+from model_backend.loading import quantize_linears
+from test_fast_step import assert_same_function, decode_logits, user
+
+
+def torch_lean(model: Any, cache: Any) -> Any:
+    return fast_step.lean_step(model, cache, native_enabled=False)
+
+
+def tiny_fp16_model(seed: int = 0) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                         max_position_embeddings=2048)
+    torch.manual_seed(seed)
+    return quantize_linears(LlamaForCausalLM(config).eval(), "fp16")
+
+
+@pytest.fixture
+def built() -> None:
+    if native.library() is None:
+        pytest.fail(f"the native step should build on this machine: {native.status()}")
+
+
+def test_native_step_is_the_torch_steps_function_on_a_small_model(built: None) -> None:
+    model = tiny_fp16_model()
+    assert fast_step.native_supported(model)
+    generator = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 96, (700,), generator=generator).tolist()
+    # Batch 1 over 700 keys (attention in parts); three rows after a 700-token shared prefix, padded
+    # to different lengths, so parts straddle the prefix and the rows' own keys and pads are masked.
+    for seqs in ([prefix], [prefix + [5, 6, 7, 8], prefix + [9], prefix + [10, 11]]):
+        native_logits = decode_logits(model, seqs, fast_step.lean_step, steps=6)
+        torch_logits = decode_logits(model, seqs, torch_lean, steps=6)
+        assert (native_logits - torch_logits).abs().max().item() < 1e-4
+        assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))
+
+
+def test_native_weights_follow_the_model(built: None) -> None:
+    """A weight replaced (a merge, a reload) rebuilds the native copy: a stale one would decode the old model."""
+    model = tiny_fp16_model()
+    seqs = [[1, 5, 9, 3, 7] * 4]
+    first = decode_logits(model, seqs, fast_step.lean_step, steps=3)
+    weights = fast_step._native_weights(model)
+    assert weights is not None and fast_step._native_weights(model) is weights  # built once
+    up = model.model.layers[1].mlp.up_proj
+    weight, bias = up._packed_params._weight_bias()
+    up.set_weight_bias(weight * 3.0, bias)
+    changed = decode_logits(model, seqs, fast_step.lean_step, steps=3)
+    assert fast_step._native_weights(model) is not weights
+    assert not torch.allclose(first, changed)
+    assert_same_function(changed, decode_logits(model, seqs, fast_step.generic_step, steps=3))
+
+
+def test_only_fp16_models_run_natively(built: None) -> None:
+    """fp32 and int8 weights would change arithmetic in the C step: they keep the torch step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    assert not fast_step.native_supported(LlamaForCausalLM(config).eval())
+    assert not fast_step.native_supported(quantize_linears(LlamaForCausalLM(config).eval(), "int8"))
+    odd = LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    assert not fast_step.native_supported(quantize_linears(LlamaForCausalLM(odd).eval(), "fp16"))  # 40 % 16
+
+
+@pytest.fixture
+def fresh_native(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """A native module that decides afresh (its library and status forgotten), building into tmp_path."""
+    monkeypatch.setenv("ENVACE_CACHE_DIR", str(tmp_path))
+    native.reset_for_tests()
+    yield monkeypatch
+    native.reset_for_tests()
+
+
+def test_turned_off_the_torch_step_runs(fresh_native: pytest.MonkeyPatch) -> None:
+    fresh_native.setenv(native.ENV, "0")
+    assert native.library() is None
+    assert native.status() == "off ($ENVACE_NATIVE=0)"
+    model = tiny_fp16_model()
+    assert fast_step._native_weights(model) is None
+    assert_same_function(decode_logits(model, [[1, 2, 3]], fast_step.lean_step, steps=2),
+                         decode_logits(model, [[1, 2, 3]], fast_step.generic_step, steps=2))
+
+
+def test_a_failed_build_says_why_and_the_torch_step_runs(fresh_native: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    fresh_native.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING):
+        assert native.library() is None
+    assert native.status().startswith("not built: /bin/false failed")
+    assert "the torch step runs instead" in caplog.text
+    model = tiny_fp16_model()
+    assert_same_function(decode_logits(model, [[1, 2, 3]], fast_step.lean_step, steps=2),
+                         decode_logits(model, [[1, 2, 3]], fast_step.generic_step, steps=2))
+
+
+def test_a_fresh_build_lands_in_the_cache(fresh_native: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    assert native.library() is not None
+    built_files = list((tmp_path / "native-decode").glob("envace_decode-*.so"))
+    assert len(built_files) == 1 and native.status() == f"on ({built_files[0]})"
+
+
+@pytest.mark.slow
+def test_native_step_on_the_embedded_model(built: None) -> None:
+    """The embedded model's fp16 logits as the torch step's, and the same greedy text as plain `generate`."""
+    policy = load_policy("embedded", weights="fp16")
+    model = policy.model
+    assert fast_step._native_weights(model) is not None
+    ids = policy.encode(user("List the files, then count the lines of the largest one."))
+    for seqs in ([ids], [ids, ids[:-3] + [28, 29, 30, 31], ids[:-6]]):
+        assert_same_function(decode_logits(model, seqs, fast_step.lean_step),
+                             decode_logits(model, seqs, torch_lean))
+    prompts = [user("ls()", prefill="<execution_result>"), user("pwd() after cd(folder='documents')")]
+    config = GenerationConfig(max_new_tokens=24)
+    assert [g.text for g in policy.rehearse(prompts, config)] == [policy.reference_generate(p, 24) for p in prompts]
