@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model_backend import GenerationConfig, Prompt, TransformersPolicy, load_policy  # noqa: E402
-from model_backend import loading  # noqa: E402
+from model_backend import loading, native  # noqa: E402
 from model_backend.base import Timings  # noqa: E402
 from model_backend.decoding import Row, generate  # noqa: E402
 
@@ -130,24 +130,28 @@ def decode_rate(model: Any, run: Callable[[int], Any], batch: int, new_tokens: i
     return batch * (new_tokens - 1) / best
 
 
-def loop_rates(policies: dict[str, Any], ids: list[int], new_tokens: int, repeats: int) -> dict[str, float]:
+def loop_rates(policies: dict[str, Any], ids: list[int], new_tokens: int, repeats: int, batch: int = 1
+               ) -> dict[str, float]:
     """Batch-1 decode tokens/s of our loop for each policy, interleaved (A, B, C, A, B, C, ...) so that load from
     other jobs on the machine hits them alike; the best of `repeats` rounds, from the loop's own decode phase
     (its `new_tokens - 1` forward steps and the per-token work between them). A key ending in `:generic`
-    decodes through `model(...)` (a no-op forward hook turns the lean step off): the previous path."""
+    decodes through `model(...)` (a no-op forward hook turns the lean step off): the previous path; one ending in
+    `:torch` decodes through the lean torch step (the native step off)."""
     best = {name: float("inf") for name in policies}
     for _ in range(repeats):
         for name, policy in policies.items():
             hook = policy.model.register_forward_hook(lambda *_: None) if name.endswith(":generic") else None
+            native.use(not name.endswith(":torch"))
             try:
                 timings = Timings()
-                generate(policy.model, policy.tokenizer, [Row(ids)], new_tokens, eos_ids=set(), pad_id=policy.pad_id,
-                         timings=timings)
+                generate(policy.model, policy.tokenizer, [Row(ids)] * batch, new_tokens, eos_ids=set(),
+                         pad_id=policy.pad_id, timings=timings)
             finally:
+                native.use(True)
                 if hook is not None:
                     hook.remove()
             best[name] = min(best[name], timings.seconds["generate.decode"])
-    return {name: (new_tokens - 1) / seconds for name, seconds in best.items()}
+    return {name: batch * (new_tokens - 1) / seconds for name, seconds in best.items()}
 
 
 def our_loop(policy: Any, ids: list[int], batch: int) -> Callable[[int], Any]:
@@ -212,15 +216,20 @@ def main() -> None:
     # (a) decode speed. Batch 1: the lean step, the previous path through model(...), and fp16 (the CPU
     # default) and int8 linear weights (ENVACE_WEIGHTS), interleaved; batch 4 of one prompt (K candidates).
     quantized = {w: load_policy("embedded", weights=w) for w in ("fp16", "int8")}
-    batch1 = loop_rates({"fp32": policy, "fp32:generic": policy, **quantized}, ids, new_tokens, repeats + 1)
+    batch1 = loop_rates({"fp32": policy, "fp32:generic": policy, **quantized, "fp16:torch": quantized["fp16"]}, ids,
+                        new_tokens, repeats + 1)
     speed = {
         "ours_batch1_tok_s": batch1["fp32"],
         "ours_batch1_generic_tok_s": batch1["fp32:generic"],
         "ours_batch1_fp16_tok_s": batch1["fp16"],
         "ours_batch1_int8_tok_s": batch1["int8"],
-        "ours_batch4_tok_s": decode_rate(policy.model, our_loop(policy, ids, 4), 4, new_tokens, repeats),
-        "ours_batch4_fp16_tok_s": decode_rate(quantized["fp16"].model, our_loop(quantized["fp16"], ids, 4), 4,
-                                              new_tokens, repeats),
+        "ours_batch1_fp16_torch_step_tok_s": batch1["fp16:torch"],
+        "native_decode": native.status(),
+        # batch 4 of one prompt (K candidates): our loop's own decode phase (a forward hook would turn the
+        # lean and native steps off)
+        **{f"ours_batch4{'' if name == 'fp32' else '_' + name.replace(':torch', '_torch_step')}_tok_s": rate
+           for name, rate in loop_rates({"fp32": policy, "fp16": quantized["fp16"], "fp16:torch": quantized["fp16"]},
+                                        ids, new_tokens, repeats, batch=4).items()},
         "hf_generate_batch1_tok_s": decode_rate(policy.model, hf_generate(policy.model, ids), 1, new_tokens, repeats),
     }
     # bf16 halves the bytes each step reads; this CPU has AVX512-BF16. Informational: the CPU default
@@ -232,8 +241,10 @@ def main() -> None:
     results["decode"] = speed
     print(f"(a) decode at {len(ids)} tokens of context: ours batch 1 {speed['ours_batch1_tok_s']:.1f} tok/s "
           f"(through model(...): {speed['ours_batch1_generic_tok_s']:.1f}; fp16 weights "
-          f"{speed['ours_batch1_fp16_tok_s']:.1f}, int8 {speed['ours_batch1_int8_tok_s']:.1f}), "
-          f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total (fp16 {speed['ours_batch4_fp16_tok_s']:.1f}); generate batch 1 "
+          f"{speed['ours_batch1_fp16_tok_s']:.1f}, through the torch step {speed['ours_batch1_fp16_torch_step_tok_s']:.1f}, "
+          f"int8 {speed['ours_batch1_int8_tok_s']:.1f}), "
+          f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total (fp16 {speed['ours_batch4_fp16_tok_s']:.1f}, through the "
+          f"torch step {speed['ours_batch4_fp16_torch_step_tok_s']:.1f}); generate batch 1 "
           f"{speed['hf_generate_batch1_tok_s']:.1f} tok/s; ours bf16 batch 1 {speed['ours_batch1_bf16_tok_s']:.1f} tok/s")
 
     # (b) the memory-bandwidth bound at batch 1
