@@ -25,12 +25,49 @@ static inline float hsum(__m256 v) {
 
 static inline __m256 load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* exp of 8 floats (Cephes' polynomial, as avx_mathfun has it; within 2 ulp of expf); -inf gives 0. */
+static inline __m256 exp8(__m256 x) {
+    __m256 zero_at = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero_at, _mm256_mul_ps(y, _mm256_castsi256_ps(n)));
+}
+
+/* The sums of four vectors' lanes: [sum(a), sum(b), sum(c), sum(d)]. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 /* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. Each output's weight row is read once
  * for all M rows of x (at most 4 at a time; more re-read it from L1). */
 static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint16_t *w = W + (long)n * K;
+        if (M == 1 && K % 32 == 0) {
+            /* One row: four independent sums, so that the FMAs' latency does not bound the weights' read. */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int k = 0; k < K; k += 32) {
+                a0 = _mm256_fmadd_ps(load_f16(w + k), _mm256_loadu_ps(x + k), a0);
+                a1 = _mm256_fmadd_ps(load_f16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+                a2 = _mm256_fmadd_ps(load_f16(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+                a3 = _mm256_fmadd_ps(load_f16(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+            }
+            float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            y[n] = accumulate ? y[n] + s : s;
+            continue;
+        }
         for (int m0 = 0; m0 < M; m0 += 4) {
             int rows = M - m0 < 4 ? M - m0 : 4;
             __m256 acc[4][2];
@@ -96,40 +133,98 @@ void envace_pre_attention(int B, int hidden, int heads, int kv, int dim, const f
 
 /* Part of one query group's attention over keys [t0, t1) of one sequence of keys: its max score, the sum of
  * exp(score - max) and the exp-weighted sum of values, per query of the group. Masked keys (mask[t] == 0)
- * are skipped; a part with no visible key gets max = -inf. */
-static void attend_part(const float *q, int groups, int dim, const float *keys, const float *values, long stride,
-                        const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc,
-                        float *scores) {
+ * are skipped; a part with no visible key gets max = -inf. Inlined with dim a constant where it is 64, so
+ * that the loops over dim unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void attend_part_dim(
+        const float *q, int groups, const int dim, const float *keys, const float *values, long stride,
+        const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc, float *scores) {
     for (int g = 0; g < groups; g++) { max[g] = -INFINITY; sum[g] = 0.f; }
     for (int i = 0; i < groups * dim; i++) acc[i] = 0.f;
     int n = t1 - t0;
-    for (int t = 0; t < n; t++) {
-        const float *kt = keys + (long)(t0 + t) * stride;
-        int visible = !mask || mask[t0 + t];
+    /* scores, eight keys at a time: eight independent sums per query (no long chain of FMAs), their lanes
+     * summed together, masked keys set to -inf */
+    int t = 0;
+    __m256 vmax[16];
+    for (int g = 0; g < groups; g++) vmax[g] = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) {
+        const float *k0 = keys + (long)(t0 + t) * stride;
+        __m256 hidden = _mm256_setzero_ps();
+        if (mask) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(mask + t0 + t));
+            hidden = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256()));
+        }
         for (int g = 0; g < groups; g++) {
-            float s = -INFINITY;
-            if (visible) {
-                __m256 a = _mm256_setzero_ps();
-                for (int d = 0; d < dim; d += 8)
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), _mm256_loadu_ps(kt + d), a);
-                s = hsum(a) * scale;
-                if (s > max[g]) max[g] = s;
+            const float *qg = q + g * dim;
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int d = 0; d < dim; d += 8) {
+                __m256 qd = _mm256_loadu_ps(qg + d);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + i * stride + d), a[i]);
             }
-            scores[g * n + t] = s;
+            __m128 lo = hsum4(a[0], a[1], a[2], a[3]), hi = hsum4(a[4], a[5], a[6], a[7]);
+            __m256 sc = _mm256_mul_ps(_mm256_set_m128(hi, lo), _mm256_set1_ps(scale));
+            sc = _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), hidden);
+            _mm256_storeu_ps(scores + g * n + t, sc);
+            vmax[g] = _mm256_max_ps(vmax[g], sc);
         }
     }
-    for (int t = 0; t < n; t++) {
-        if (mask && !mask[t0 + t]) continue;
-        const float *vt = values + (long)(t0 + t) * stride;
+    for (int g = 0; g < groups; g++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax[g]);
+        for (int i = 0; i < 8; i++) if (lanes[i] > max[g]) max[g] = lanes[i];
+    }
+    for (; t < n; t++) {
+        float *st = scores + t;
+        if (mask && !mask[t0 + t]) {
+            for (int g = 0; g < groups; g++) st[g * n] = -INFINITY;
+            continue;
+        }
+        const float *kt = keys + (long)(t0 + t) * stride;
         for (int g = 0; g < groups; g++) {
-            float p = expf(scores[g * n + t] - max[g]);
-            sum[g] += p;
-            __m256 pv = _mm256_set1_ps(p);
-            for (int d = 0; d < dim; d += 8)
-                _mm256_storeu_ps(acc + g * dim + d,
-                                 _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(acc + g * dim + d)));
+            __m256 a = _mm256_setzero_ps();
+            for (int d = 0; d < dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + d), _mm256_loadu_ps(kt + d), a);
+            float sc = hsum(a) * scale;
+            st[g * n] = sc;
+            if (sc > max[g]) max[g] = sc;
         }
     }
+    for (int g = 0; g < groups; g++) {
+        if (max[g] == -INFINITY) continue;
+        float *sg = scores + g * n;
+        __m256 m = _mm256_set1_ps(max[g]), total = _mm256_setzero_ps();
+        t = 0;
+        for (; t + 8 <= n; t += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+            _mm256_storeu_ps(sg + t, p);
+            total = _mm256_add_ps(total, p);
+        }
+        float rest = 0.f;
+        for (; t < n; t++) {
+            float p = sg[t] == -INFINITY ? 0.f : expf(sg[t] - max[g]);
+            sg[t] = p;
+            rest += p;
+        }
+        sum[g] = hsum(total) + rest;
+        /* the weighted values: this query's sums in registers (dim / 8 of them), one broadcast weight a key */
+        __m256 o[16];
+        for (int d = 0; d < dim; d += 8) o[d / 8] = _mm256_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            if (sg[t] == 0.f) continue;
+            const float *vt = values + (long)(t0 + t) * stride;
+            __m256 pv = _mm256_set1_ps(sg[t]);
+            for (int d = 0; d < dim; d += 8) o[d / 8] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + d), o[d / 8]);
+        }
+        for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(acc + g * dim + d, o[d / 8]);
+    }
+}
+
+static void attend_part(const float *q, int groups, int dim, const float *keys, const float *values, long stride,
+                        const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc,
+                        float *scores) {
+    if (dim == 64)
+        attend_part_dim(q, groups, 64, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
+    else
+        attend_part_dim(q, groups, dim, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
 }
 
 /* Single-query attention of B rows over [a prefix all rows share (P keys) | each row's own keys (S)].
