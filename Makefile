@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps clean
+.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps native-deps clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	$(PYTHON) -m pip install -q --no-deps -r requirements-nodeps.txt
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) native-deps
+
+# A C compiler with OpenMP for the native decode step (model_backend/native_decode.c, built at first use;
+# without one the torch step runs, and tests/test_native.py fails to say so).
+native-deps:
+	@command -v cc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null)
 
 # Debian's chromium for the browser tests (Playwright's own download cannot work here).
 browser-deps:

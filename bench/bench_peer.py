@@ -94,7 +94,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_decode import realistic_prompt_messages, weight_bytes
     from common import write_results
-    from model_backend import Prompt, load_policy
+    from model_backend import Prompt, load_policy, native
     from model_backend.loading import embedded_gguf_path
 
     torch.set_num_threads(args.threads)
@@ -119,7 +119,8 @@ def main() -> None:
 
     summary = gguf_summary(gguf)
     results: dict[str, Any] = {"prompt_tokens": len(ids), "new_tokens": args.new_tokens, "threads": args.threads,
-                               "rounds": args.rounds, "gguf": {"file": gguf.name, **summary}, "engines": {}}
+                               "rounds": args.rounds, "gguf": {"file": gguf.name, **summary}, "engines": {},
+                               "native_decode": native.status()}
     peer_tokens = runs["llama.cpp"][0]["tokens"]
     for name, rs in runs.items():
         prompt_s = min(r["prompt_s"] for r in rs)

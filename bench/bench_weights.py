@@ -8,7 +8,8 @@ real response, canonical JSON), and how many texts equal fp32's. Not a speed ben
 for scale only.
 
 Writes bench/results/weights.json. Run: `.venv/bin/python bench/bench_weights.py [--tasks 12]
-[--formats fp32,fp16,int8]`.
+[--formats fp32,fp16,int8]`. The native decode step against the torch one, on the same rows:
+`--formats fp16,fp16-torch --name native_text` (bench/results/native_text.json).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from app.config import SHIPPED_ADAPTER
 from app.formats import canonical_call, canonical_json, parse_action, parse_result
 from app.records import RunSettings
 from app.training.rows import PromptContext, expert_rows
-from model_backend import GenerationConfig, load_policy
+from model_backend import GenerationConfig, load_policy, native
 
 ACT = GenerationConfig(max_new_tokens=96, temperature=0.0, stop=("</tool_call>",))
 REHEARSE = GenerationConfig(max_new_tokens=160, temperature=0.0, stop=("</execution_result>",))
@@ -42,7 +43,9 @@ def rehearse_ok(text: str, target: str) -> bool:
 
 
 def run(weights: str, rows: list) -> dict:
-    policy = load_policy("embedded", adapter=SHIPPED_ADAPTER, weights=weights)
+    """`weights` is a format, or `fp16-torch`: fp16 through the lean torch step (the native step off)."""
+    native.use(weights != "fp16-torch")
+    policy = load_policy("embedded", adapter=SHIPPED_ADAPTER, weights=weights.removesuffix("-torch"))
     start = time.perf_counter()
     texts, ok = [], {"act": 0, "rehearse": 0}
     for row in tqdm(rows, desc=weights):
@@ -60,7 +63,9 @@ def run(weights: str, rows: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=12, help="first N held-out tasks")
-    parser.add_argument("--formats", default="fp32,fp16,int8")
+    parser.add_argument("--formats", default="fp32,fp16,int8",
+                        help="fp32, fp16, int8, and fp16-torch (fp16 with the native decode step off)")
+    parser.add_argument("--name", default="weights", help="results file: bench/results/NAME.json")
     args = parser.parse_args()
     formats = args.formats.split(",")
     reference = load_policy("embedded", adapter=SHIPPED_ADAPTER, weights="fp32")
@@ -75,7 +80,12 @@ def main() -> None:
                              "same_text_as_fp32": sum(same), "seconds": r["seconds"]}
         print(f"{w}: Act exact {r['act_exact']}/{n['act']}, Rehearse exact {r['rehearse_exact']}/{n['rehearse']}, "
               f"text equal to fp32's {sum(same)}/{len(rows)} ({r['seconds']} s)")
-    write_results("weights", out)
+    if "fp16" in runs and "fp16-torch" in runs:
+        same = sum(a == b for a, b in zip(runs["fp16"]["texts"], runs["fp16-torch"]["texts"]))
+        out["fp16_native_same_text_as_torch_step"] = same
+        print(f"fp16, native step against the torch step: {same}/{len(rows)} texts equal")
+    out["native_decode"] = native.status() if "fp16" in formats else "not used"
+    write_results(args.name, out)
 
 
 if __name__ == "__main__":

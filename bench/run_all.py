@@ -52,7 +52,9 @@ def table() -> str:
         (b.get("bound_tok_s"), f"bound: {fmt(b.get('read_gb_s'))} GB/s read / {fmt(b.get('weight_bytes'))} weight bytes, tokens/s", ""),
         (b.get("ratio_batch1"), "fp32: batch-1 decode / bound", ">= 0.70"),
         (d.get("ours_batch1_generic_tok_s"), "decode tokens/s, batch 1, our loop through `model(...)` (before the lean step)", ""),
-        (d.get("ours_batch1_fp16_tok_s"), "decode tokens/s, batch 1, fp16 weights (the CPU default)", ""),
+        (d.get("ours_batch1_fp16_tok_s"), "decode tokens/s, batch 1, fp16 weights (the CPU default, native decode step)", ""),
+        (d.get("ours_batch1_fp16_torch_step_tok_s"), "decode tokens/s, batch 1, fp16 weights, the torch step (native off)", ""),
+        (d.get("ours_batch4_fp16_torch_step_tok_s"), "decode tokens/s, batch 4, all rows, fp16 weights, the torch step (native off)", ""),
         (b.get("fp16", {}).get("ratio_batch1"), f"fp16: batch-1 decode / its bound ({fmt(b.get('fp16', {}).get('weight_bytes'))} weight bytes)", ">= 0.70"),
         (b.get("fp16", {}).get("ratio_batch1_best_read"), f"fp16: the same at torch's all-thread read ({fmt(b.get('torch_read_gb_s'))} GB/s), the stricter bound", ">= 0.70"),
         (d.get("ours_batch1_int8_tok_s"), "decode tokens/s, batch 1, int8 weights (`ENVACE_WEIGHTS=int8`)", ""),
@@ -72,6 +74,11 @@ def table() -> str:
                     f"{' / '.join(str(f[w]['act_exact']) for w in names)}; "
                     f"{' / '.join(str(f[w]['rehearse_exact']) for w in names)}; "
                     f"{' / '.join(str(f[w]['same_text_as_fp32']) for w in names)} | |")
+    native_text = load("native_text")
+    if "fp16_native_same_text_as_torch_step" in native_text:
+        n = native_text["rows"]
+        rows.append(f"| same rows, fp16: native decode step's text equal to the torch step's "
+                    f"| {native_text['fp16_native_same_text_as_torch_step']} / {n['act'] + n['rehearse']} | same text |")
     for peer in (load("peer"), load("peer_threads1")):
         if not peer.get("engines"):
             continue
