@@ -299,8 +299,10 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
         """`tree` ([W, W] bool, batch 1, no `mask`): which of the W new tokens each new one sees (a token tree:
         itself and its ancestors), instead of all earlier ones; every cached position stays visible."""
         batch, width = ids.shape
-        if native_step is not None and width == 1 and tree is None:
-            return native_step(ids, mask, positions)
+        if native_step is not None and tree is None:
+            logits = native_step(ids, mask, positions, keep)
+            if logits is not None:
+                return logits
         x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
         cos, sin = rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -341,10 +343,18 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     return step
 
 
-def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[..., torch.Tensor]:
-    """One token a row through `native_decode.c`: three C calls a layer (before attention, attention over
-    [shared prefix | own keys], after attention) and one for the head; keys and values still go into the
-    cache through `append`, so the cache's bookkeeping is the torch step's."""
+NATIVE_MAX_TOKENS = 16
+"""Steps feeding at most this many real (unpadded) new tokens in all run natively; bigger ones (prefill, token
+trees) keep fbgemm's products, which are faster once there are enough rows to multiply."""
+
+
+def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[..., torch.Tensor | None]:
+    """New tokens through `native_decode.c`: three C calls a layer (before attention, attention over [shared
+    prefix | the row's own keys], after attention) and one for the head. Only real tokens are computed: a
+    batch's pads (rows feeding fewer tokens than the widest, as jump-forward's do) cost nothing, and their
+    keys and values go into the cache as zeros, masked like any pad's. Keys and values go into the cache
+    through `append`, so the cache's bookkeeping is the torch step's. Returns None for a step it leaves to
+    torch (more than `NATIVE_MAX_TOKENS` real tokens)."""
     from . import native
 
     lib = native.library()
@@ -364,38 +374,76 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     norm_w, norm_eps = inner.norm.weight.detach(), float(inner.norm.variance_epsilon)
     scratch_size = max(hidden + (heads + 2 * kv) * dim, hidden + 2 * mlp)
 
-    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        batch = ids.shape[0]
-        x = F.embedding(ids, embed.weight, embed.padding_idx).reshape(batch, hidden).contiguous()
-        cos, sin = rotary(x[:, None], positions)
-        cos, sin = cos.reshape(batch, dim).contiguous(), sin.reshape(batch, dim).contiguous()
-        q = x.new_empty((batch, heads, dim))
-        k, v = x.new_empty((batch, kv, 1, dim)), x.new_empty((batch, kv, 1, dim))
-        a = x.new_empty((batch, heads * dim))
-        scratch = x.new_empty((batch * scratch_size,))
+    def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+             keep: int | None = None) -> torch.Tensor | None:
+        batch, width = ids.shape
+        if width == 1:  # a decode step: every row feeds one real token
+            real, count = None, batch
+            tokens, token_positions = ids.reshape(batch), positions.reshape(batch)
+        else:
+            new = mask[:, -width:].bool() if mask is not None else ids.new_ones((batch, width), dtype=torch.bool)
+            real = new.reshape(-1).nonzero().squeeze(1)  # flat (row, position) indices of the real tokens
+            count = real.numel()
+            if count == 0 or count > NATIVE_MAX_TOKENS:
+                return None
+            tokens, token_positions = ids.reshape(-1)[real], positions.reshape(-1)[real]
+        x = F.embedding(tokens, embed.weight, embed.padding_idx).contiguous()  # [N, hidden]
+        cos, sin = rotary(x[:, None], token_positions[:, None])
+        cos, sin = cos.reshape(count, dim).contiguous(), sin.reshape(count, dim).contiguous()
+        q = x.new_empty((count, heads, dim))
+        k, v = x.new_empty((count, kv, dim)), x.new_empty((count, kv, dim))
+        a = x.new_empty((count, heads * dim))
+        scratch = x.new_empty((count * scratch_size,))
+        if real is None:
+            k_rows, v_rows = k.view(batch, kv, 1, dim), v.view(batch, kv, 1, dim)
+            row_of = limit = None
+        else:
+            k_all, v_all = x.new_zeros((batch * width, kv, dim)), x.new_zeros((batch * width, kv, dim))
+            k_rows = k_all.view(batch, width, kv, dim).transpose(1, 2)
+            v_rows = v_all.view(batch, width, kv, dim).transpose(1, 2)
+            row_of, limit = (real // width).to(torch.int32), None
+            offset = (real % width).to(torch.int32)  # a token sees its row's own keys up to itself
         own_mask = None
         for in_w, in_eps, qkv, o, post_w, post_eps, gate_up, down, cache_layer in layers:
-            lib.envace_pre_attention(batch, hidden, heads, kv, dim, x.data_ptr(), in_w.data_ptr(), in_eps,
+            lib.envace_pre_attention(count, hidden, heads, kv, dim, x.data_ptr(), in_w.data_ptr(), in_eps,
                                      qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                                      v.data_ptr(), scratch.data_ptr())
-            own_k, own_v = cache_layer.append(k, v)
+            if real is not None:
+                k_all[real], v_all[real] = k, v
+            own_k, own_v = cache_layer.append(k_rows, v_rows)
+            own = own_k.shape[-2]
             shared_len = cache_layer.shared_len
             if own_mask is None and mask is not None:
                 own_mask = mask[:, shared_len:].to(torch.uint8).contiguous()
+            if real is not None and limit is None:
+                limit = (offset + (own - width + 1)).to(torch.int32)
             if shared_len:
                 shared_k, shared_v = cache_layer.shared_keys, cache_layer.shared_values
                 shared = (shared_k.data_ptr(), shared_v.data_ptr(), shared_k.stride(1))
             else:
                 shared = (None, None, 0)
-            lib.envace_attention(batch, kv, groups, dim, q.data_ptr(), *shared, shared_len, own_k.data_ptr(),
-                                 own_v.data_ptr(), own_k.stride(0), own_k.stride(1), own_k.shape[-2],
-                                 None if own_mask is None else own_mask.data_ptr(), scaling, a.data_ptr())
-            lib.envace_post_attention(batch, hidden, mlp, x.data_ptr(), a.data_ptr(), o.data_ptr(), post_w.data_ptr(),
+            lib.envace_attention(count, kv, groups, dim, q.data_ptr(), *shared, shared_len, own_k.data_ptr(),
+                                 own_v.data_ptr(), own_k.stride(0), own_k.stride(1), own,
+                                 None if own_mask is None else own_mask.data_ptr(),
+                                 None if row_of is None else row_of.data_ptr(),
+                                 None if limit is None else limit.data_ptr(), scaling, a.data_ptr())
+            lib.envace_post_attention(count, hidden, mlp, x.data_ptr(), a.data_ptr(), o.data_ptr(), post_w.data_ptr(),
                                       post_eps, gate_up.data_ptr(), down.data_ptr(), scratch.data_ptr())
-        logits = x.new_empty((batch, vocab))
-        lib.envace_head(batch, hidden, vocab, x.data_ptr(), norm_w.data_ptr(), norm_eps, weights.head.data_ptr(),
-                        logits.data_ptr(), scratch.data_ptr())
-        return logits[:, None]
+        if real is None:
+            logits = x.new_empty((batch, vocab))
+            lib.envace_head(batch, hidden, vocab, x.data_ptr(), norm_w.data_ptr(), norm_eps, weights.head.data_ptr(),
+                            logits.data_ptr(), scratch.data_ptr())
+            return logits[:, None]
+        kept = keep if keep is not None and keep < width else width
+        wanted = (real % width) >= width - kept  # the last `kept` positions of each row (pads get zeros)
+        rows_x = x[wanted].contiguous()
+        head_out = x.new_empty((rows_x.shape[0], vocab))
+        lib.envace_head(rows_x.shape[0], hidden, vocab, rows_x.data_ptr(), norm_w.data_ptr(), norm_eps,
+                        weights.head.data_ptr(), head_out.data_ptr(), scratch.data_ptr())
+        logits = x.new_zeros((batch * kept, vocab))
+        chosen = real[wanted]
+        logits[(chosen // width) * kept + (chosen % width) - (width - kept)] = head_out
+        return logits.view(batch, kept, vocab)
 
     return step
 

@@ -54,7 +54,7 @@ def _cpu_flags() -> set[str]:
 def _declare(lib: ctypes.CDLL) -> None:
     i, f, p, L = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_long
     lib.envace_pre_attention.argtypes = [i, i, i, i, i, p, p, f, p, p, p, p, p, p, p]
-    lib.envace_attention.argtypes = [i, i, i, i, p, p, p, L, i, p, p, L, L, i, p, f, p]
+    lib.envace_attention.argtypes = [i, i, i, i, p, p, p, L, i, p, p, L, L, i, p, p, p, f, p]
     lib.envace_post_attention.argtypes = [i, i, i, p, p, p, p, f, p, p, p]
     lib.envace_head.argtypes = [i, i, i, p, p, f, p, p, p]
     for fn in (lib.envace_pre_attention, lib.envace_attention, lib.envace_post_attention, lib.envace_head):

@@ -49,41 +49,58 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. Each output's weight row is read once
- * for all M rows of x (at most 4 at a time; more re-read it from L1). */
+/* Dot products of one fp16 weight row with `rows` rows of x (a constant where inlined, so that the sums stay
+ * in registers): out[m] = sum_k w[k] * x[m * K + k]. K a multiple of 16. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, const float *x, int K, float *out,
+                                                           const int rows) {
+    __m256 acc[4][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        __m256 w0 = load_f16(w + k), w1 = load_f16(w + k + 8);
+        for (int m = 0; m < rows; m++) {
+            acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (long)m * K + k), acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (long)m * K + k + 8), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* One row of x: four independent sums, so that the FMAs' latency does not bound the weights' read. */
+static inline float dot_one(const uint16_t *w, const float *x, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(load_f16(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(load_f16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(load_f16(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(load_f16(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    for (; k < K; k += 16) {
+        a0 = _mm256_fmadd_ps(load_f16(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(load_f16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+/* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. Each weight row is read from memory
+ * once for all M rows of x (four at a time; the next four re-read it from L1). */
 static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint16_t *w = W + (long)n * K;
-        if (M == 1 && K % 32 == 0) {
-            /* One row: four independent sums, so that the FMAs' latency does not bound the weights' read. */
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int k = 0; k < K; k += 32) {
-                a0 = _mm256_fmadd_ps(load_f16(w + k), _mm256_loadu_ps(x + k), a0);
-                a1 = _mm256_fmadd_ps(load_f16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-                a2 = _mm256_fmadd_ps(load_f16(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-                a3 = _mm256_fmadd_ps(load_f16(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-            }
-            float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            y[n] = accumulate ? y[n] + s : s;
-            continue;
-        }
         for (int m0 = 0; m0 < M; m0 += 4) {
             int rows = M - m0 < 4 ? M - m0 : 4;
-            __m256 acc[4][2];
-            for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-            for (int k = 0; k < K; k += 16) {
-                __m256 w0 = load_f16(w + k), w1 = load_f16(w + k + 8);
-                for (int m = 0; m < rows; m++) {
-                    const float *xm = x + (long)(m0 + m) * K + k;
-                    acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);
-                    acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1]);
-                }
+            const float *xm = x + (long)m0 * K;
+            float out[4];
+            switch (rows) {
+                case 1: out[0] = dot_one(w, xm, K); break;
+                case 2: dot_rows(w, xm, K, out, 2); break;
+                case 3: dot_rows(w, xm, K, out, 3); break;
+                default: dot_rows(w, xm, K, out, 4); break;
             }
             for (int m = 0; m < rows; m++) {
-                float s = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
-                float *out = y + (long)(m0 + m) * N + n;
-                *out = accumulate ? *out + s : s;
+                float *o = y + (long)(m0 + m) * N + n;
+                *o = accumulate ? *o + out[m] : out[m];
             }
         }
     }
@@ -227,21 +244,24 @@ static void attend_part(const float *q, int groups, int dim, const float *keys, 
         attend_part_dim(q, groups, dim, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
 }
 
-/* Single-query attention of B rows over [a prefix all rows share (P keys) | each row's own keys (S)].
- * shared_k/v: [kv, P, dim] with head stride shared_hs (P = 0: none); own_k/v: [B, kv, S, dim] with batch
- * stride own_bs and head stride own_hs; own_mask: [B, S] (1 = visible) or NULL. out: [B, heads, dim].
+/* Attention of N queries (each the query heads of one new token) over [a prefix all rows share (P keys) |
+ * their row's own keys]. shared_k/v: [kv, P, dim] with head stride shared_hs (P = 0: none); own_k/v:
+ * [B, kv, S, dim] with batch stride own_bs and head stride own_hs; own_mask: [B, S] (1 = visible) or NULL.
+ * Query n belongs to row row_of[n] and sees that row's first limit[n] own keys (causality among the new
+ * tokens of a row); row_of = NULL means query n is row n, limit = NULL all S keys. out: [N, heads, dim].
  * The keys are cut into parts so that both threads have work at batch 1; the parts' softmaxes merge
  * exactly through their maxima and sums. */
-void envace_attention(int B, int kv, int groups, int dim, const float *q, const float *shared_k,
+void envace_attention(int N, int kv, int groups, int dim, const float *q, const float *shared_k,
                       const float *shared_v, long shared_hs, int P, const float *own_k, const float *own_v,
-                      long own_bs, long own_hs, int S, const uint8_t *own_mask, float scale, float *out) {
+                      long own_bs, long own_hs, int S, const uint8_t *own_mask, const int *row_of, const int *limit,
+                      float scale, float *out) {
     int T = P + S;
     int parts = (T + 255) / 256;
-    int want = (16 + B * kv - 1) / (B * kv);
+    int want = (16 + N * kv - 1) / (N * kv);
     if (parts > want) parts = want;
     if (parts < 1) parts = 1;
     int span = (T + parts - 1) / parts;
-    int tasks = B * kv * parts;
+    int tasks = N * kv * parts;
     float *max = malloc(sizeof(float) * tasks * groups), *sum = malloc(sizeof(float) * tasks * groups);
     float *acc = malloc(sizeof(float) * (long)tasks * groups * dim);
 #pragma omp parallel
@@ -249,9 +269,11 @@ void envace_attention(int B, int kv, int groups, int dim, const float *q, const 
         float *scores = malloc(sizeof(float) * groups * (span + 1) * 2);
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++) {
-            int b = task / (kv * parts), h = (task / parts) % kv, part = task % parts;
-            int t0 = part * span, t1 = t0 + span < T ? t0 + span : T;
-            const float *qg = q + ((long)b * kv + h) * groups * dim;
+            int n = task / (kv * parts), h = (task / parts) % kv, part = task % parts;
+            int b = row_of ? row_of[n] : n, end = P + (limit ? limit[n] : S);
+            int t0 = part * span, t1 = t0 + span < end ? t0 + span : end;
+            if (t0 > t1) t0 = t1; /* a part past this query's last key: nothing to see */
+            const float *qg = q + ((long)n * kv + h) * groups * dim;
             float *mx = max + (long)task * groups, *sm = sum + (long)task * groups;
             float *ac = acc + (long)task * groups * dim;
             /* A part may straddle the shared prefix and the own keys: attend to each side, merge. */
@@ -276,19 +298,19 @@ void envace_attention(int B, int kv, int groups, int dim, const float *q, const 
         }
         free(scores);
     }
-    for (int b = 0; b < B; b++)
+    for (int n = 0; n < N; n++)
         for (int h = 0; h < kv; h++)
             for (int g = 0; g < groups; g++) {
                 float m = -INFINITY, s = 0.f;
                 for (int part = 0; part < parts; part++) {
-                    float mp = max[((long)(b * kv + h) * parts + part) * groups + g];
+                    float mp = max[((long)(n * kv + h) * parts + part) * groups + g];
                     if (mp > m) m = mp;
                 }
-                float *o = out + (((long)b * kv + h) * groups + g) * dim;
+                float *o = out + (((long)n * kv + h) * groups + g) * dim;
                 for (int d = 0; d < dim; d++) o[d] = 0.f;
                 if (m == -INFINITY) continue; /* nothing visible: zeros, as the torch path's merge gives */
                 for (int part = 0; part < parts; part++) {
-                    long task = (long)(b * kv + h) * parts + part;
+                    long task = (long)(n * kv + h) * parts + part;
                     float mp = max[task * groups + g];
                     if (mp == -INFINITY) continue;
                     float c = expf(mp - m);

@@ -50,6 +50,63 @@ def test_native_step_is_the_torch_steps_function_on_a_small_model(built: None) -
         assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))
 
 
+def chunked_logits(model: Any, seqs: list[list[int]], feeds: list[list[list[int]]], maker: Any) -> list[torch.Tensor]:
+    """After a prefill, steps that feed each row its own number of tokens (left-padded to the widest, as
+    jump-forward does): the logits of every real position, row by row."""
+    out = []
+    with torch.inference_mode():
+        pre = decoding.prefill(model, seqs, [1] * len(seqs), keep=1, pad_id=2)
+        step, mask, positions = maker(model, pre.cache), pre.attention_mask, pre.next_positions
+        padded = pre.has_padding
+        for feed in feeds:
+            ids, chunk_mask, chunk_positions, lengths = decoding._chunk(feed, positions, 2)
+            if not padded:
+                mask = torch.ones((len(seqs), pre.cache.get_seq_length()), dtype=torch.long)
+            mask = torch.cat([mask, chunk_mask], dim=1)
+            padded = padded or bool((chunk_mask == 0).any())
+            logits = step(ids, mask if padded else None, chunk_positions)
+            width = ids.shape[1]
+            out += [logits[i, width - len(f):] for i, f in enumerate(feed)]
+            positions = positions + lengths
+    return out
+
+
+def test_native_step_computes_only_real_tokens_of_padded_chunks(built: None) -> None:
+    """Rows feeding 1-5 tokens in one step (pads computed by nobody, masked), then single tokens: the torch
+    step's logits at every real position, over a shared prefix and without one."""
+    model = tiny_fp16_model(seed=3)
+    generator = torch.Generator().manual_seed(4)
+    prefix = torch.randint(3, 96, (300,), generator=generator).tolist()
+    for seqs, feeds in (
+        ([prefix + [5, 6], prefix + [7], prefix + [8, 9, 10]],
+         [[[11, 12, 13], [14], [15, 16]], [[17], [18, 19, 20, 21, 22], [23]], [[24], [25], [26]]]),
+        ([prefix], [[[30, 31, 32, 33]], [[34]], [[35, 36]]]),  # one row: no pads, no mask, causal
+    ):
+        native_rows = chunked_logits(model, seqs, feeds, fast_step.lean_step)
+        torch_rows = chunked_logits(model, seqs, feeds, torch_lean)
+        for n, t in zip(native_rows, torch_rows):
+            assert (n - t).abs().max().item() < 1e-4
+            assert torch.equal(n.argmax(-1), t.argmax(-1))
+
+
+def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past NATIVE_MAX_TOKENS real tokens (a prefill) the products are fbgemm's: the native step declines."""
+    model = tiny_fp16_model()
+    calls = []
+    real = fast_step._native_step
+
+    def counting(*args: Any) -> Any:
+        step = real(*args)
+        return lambda *a: calls.append(step(*a))
+
+    monkeypatch.setattr(fast_step, "_native_step", counting)
+    with torch.inference_mode():
+        cache = decoding.new_cache(model.config)
+        fast_step.lean_step(model, cache)(torch.arange(3, 3 + fast_step.NATIVE_MAX_TOKENS + 1)[None], None,
+                                          torch.arange(fast_step.NATIVE_MAX_TOKENS + 1)[None])
+    assert calls == [None]
+
+
 def test_native_weights_follow_the_model(built: None) -> None:
     """A weight replaced (a merge, a reload) rebuilds the native copy: a stale one would decode the old model."""
     model = tiny_fp16_model()
