@@ -78,9 +78,14 @@ def main() -> None:
                         help="weight of log P(request | tool) in the tool ranking")
     parser.add_argument("--cold-prompts", action="store_true",
                         help="forget the channel's tool lines before every task, not only before each K")
+    parser.add_argument("--torch-step", action="store_true",
+                        help="the native decode step off (writes step_latency_torch_step.json): the same-day baseline")
     args = parser.parse_args()
 
     import model_backend
+    from model_backend import native
+
+    native.use(not args.torch_step)
 
     policy = model_backend.load_policy("embedded", adapter=SHIPPED_ADAPTER)
     task_ids = envs.list_tasks("multi_turn_base", "heldout")[: args.tasks]
@@ -120,9 +125,10 @@ def main() -> None:
     if "1" in rows and "4" in rows:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
         print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']} (goal <= 1.3); K=4 p50 {rows['4']['p50_s']} s (goal <= 4)")
-    figure(rows)
-    write_results("step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
-                                   "native_decode": model_backend.native.status(),
+    if not args.torch_step:
+        figure(rows)
+    write_results("step_latency_torch_step" if args.torch_step else "step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
+                                   "native_decode": native.status(),
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
                                    "relevance": args.relevance, "cold_prompts": args.cold_prompts,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})

@@ -42,6 +42,10 @@ def table() -> str:
         rows.append(f"| step p50, shipped adapter, parallel K={k}, {len(step['tasks'])} held-out tasks "
                     f"(largest phase: {top[0]}, {fmt(top[1], ' s')}) | {fmt(r['p50_s'], ' s')}{ratio} | "
                     f"{'<= 4 s; <= 1.3x K=1' if k == '4' else ''} |")
+    baseline = load("step_latency_torch_step").get("results", {})
+    if baseline:
+        rows.append("| same, the torch decode step (native off, `bench_step.py --torch-step`): step p50 K=1 / K=4 | "
+                    + " / ".join(fmt(baseline[k]["p50_s"], " s") for k in ("1", "4") if k in baseline) + " | |")
     dec = load("decode")
     d, b, sp, st = (dec.get(k, {}) for k in ("decode", "bound", "shared_prefix", "startup"))
     for value, label, goal in (
