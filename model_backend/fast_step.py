@@ -159,9 +159,8 @@ _FUSED: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], list[tuple[Linear
     weakref.WeakKeyDictionary()
 
 
-def _fused_layers(model: Any) -> list[tuple[Linear, Linear]]:
-    """Per layer (qkv, gate_up), built once per set of weights."""
-    key = _weights_key(model)
+def _fused_layers(model: Any, key: tuple[Any, ...]) -> list[tuple[Linear, Linear]]:
+    """Per layer (qkv, gate_up), built once per set of weights (`key`: `_weights_key(model)`)."""
     cached = _FUSED.get(model)
     if cached is None or cached[0] != key:
         layers = [(fused_linear([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]),
@@ -173,21 +172,34 @@ def _fused_layers(model: Any) -> list[tuple[Linear, Linear]]:
 class NativeWeights:
     """A model's fp16 weights laid out for `native_decode.c`: per layer qkv, o, gate_up, down; the head."""
 
-    def __init__(self, model: Any) -> None:
-        def half(modules: Sequence[Any]) -> torch.Tensor:
-            return torch.cat([m._packed_params._weight_bias()[0] for m in modules]).half().contiguous()
+    def __init__(self, layers: list[tuple[torch.Tensor, ...]], head: torch.Tensor) -> None:
+        self.layers = layers
+        self.head = head
 
-        self.layers = [(half([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]), half([l.self_attn.o_proj]),
-                        half([l.mlp.gate_proj, l.mlp.up_proj]), half([l.mlp.down_proj])) for l in model.model.layers]
-        self.head = half([model.lm_head])
+    @classmethod
+    def build(cls, model: Any) -> "NativeWeights | None":
+        """Each packed weight unpacked once; None where a linear layer has a bias (the C step adds none)."""
+        biased = False
+
+        def half(modules: Sequence[Any]) -> torch.Tensor:
+            nonlocal biased
+            parts = [m._packed_params._weight_bias() for m in modules]
+            biased = biased or any(b is not None for _, b in parts)
+            return torch.cat([w for w, _ in parts]).half().contiguous()
+
+        layers = [(half([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]), half([l.self_attn.o_proj]),
+                   half([l.mlp.gate_proj, l.mlp.up_proj]), half([l.mlp.down_proj])) for l in model.model.layers]
+        head = half([model.lm_head])
+        return None if biased else cls(layers, head)
 
 
 _NATIVE: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], NativeWeights | None]]" = weakref.WeakKeyDictionary()
 
 
 def native_supported(model: Any) -> bool:
-    """Whether `native_decode.c` computes this (lean-supported) model's decode step: every linear layer
-    fbgemm fp16 without a bias, sizes its vector loops take, a CPU and a built library (`native.library`)."""
+    """Whether `native_decode.c` can compute this (lean-supported) model's decode step: every linear layer
+    fbgemm fp16, sizes its vector loops take, a CPU and a built library (`native.library`). (Biases, which
+    only unpacking the weights shows, are refused by `NativeWeights.build`.)"""
     from . import native
 
     config = model.config
@@ -200,24 +212,23 @@ def native_supported(model: Any) -> bool:
         return False
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if not _is_fp16_dynamic(m) or m._packed_params._weight_bias()[1] is not None:
-                return False
-    if not _is_fp16_dynamic(model.lm_head) or model.lm_head._packed_params._weight_bias()[1] is not None:
-        return False
-    return native.library() is not None
+        if not all(_is_fp16_dynamic(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                  mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return False
+    return _is_fp16_dynamic(model.lm_head) and native.library() is not None
 
 
-def _native_weights(model: Any) -> NativeWeights | None:
-    """The model's `NativeWeights`, built once per set of weights; None where the native step does not apply."""
+def _native_weights(model: Any, key: tuple[Any, ...] | None = None) -> NativeWeights | None:
+    """The model's `NativeWeights`, built once per set of weights (`key`: `_weights_key(model)`, computed here
+    when not given); None where the native step does not apply."""
     from . import native
 
     if native.library() is None:
         return None
-    key = _weights_key(model)
+    key = _weights_key(model) if key is None else key
     cached = _NATIVE.get(model)
     if cached is None or cached[0] != key:
-        _NATIVE[model] = cached = (key, NativeWeights(model) if native_supported(model) else None)
+        _NATIVE[model] = cached = (key, NativeWeights.build(model) if native_supported(model) else None)
     return cached[1]
 
 
@@ -289,15 +300,16 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     groups = n_heads // n_kv
     q_size, kv_size = n_heads * head_dim, n_kv * head_dim
     mlp_size = config.intermediate_size
+    key = _weights_key(model)  # once for both weight caches below
     layers = []
-    for layer, (qkv, gate_up), cache_layer in zip(inner.layers, _fused_layers(model), cache.layers):
+    for layer, (qkv, gate_up), cache_layer in zip(inner.layers, _fused_layers(model, key), cache.layers):
         layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
                        _plain(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
                        layer.post_attention_layernorm.variance_epsilon, gate_up, _plain(layer.mlp.down_proj),
                        cache_layer))
     norm_w, norm_eps = inner.norm.weight, inner.norm.variance_epsilon
     lm_head = _plain(model.lm_head)
-    native_weights = _native_weights(model) if native_enabled else None
+    native_weights = _native_weights(model, key) if native_enabled else None
     native_step = None if native_weights is None else _native_step(model, cache, native_weights)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,

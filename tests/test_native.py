@@ -134,6 +134,12 @@ def test_only_fp16_models_run_natively(built: None) -> None:
     odd = LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     assert not fast_step.native_supported(quantize_linears(LlamaForCausalLM(odd).eval(), "fp16"))  # 40 % 16
+    biased = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", attention_bias=True)
+    biased_model = quantize_linears(LlamaForCausalLM(biased).eval(), "fp16")
+    assert fast_step._native_weights(biased_model) is None  # the C step adds no bias
+    assert_same_function(decode_logits(biased_model, [[1, 2, 3]], fast_step.lean_step, steps=2),
+                         decode_logits(biased_model, [[1, 2, 3]], fast_step.generic_step, steps=2))
 
 
 @pytest.fixture
