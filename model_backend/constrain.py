@@ -69,19 +69,26 @@ class ConstraintError(ValueError):
     """A constraint whose grammar llguidance cannot build."""
 
 
+@functools.lru_cache(maxsize=64)
+def _fresh_matcher(tokenizer: Any, grammar: str) -> Any:
+    """A matcher of `grammar` in its start state, which rows copy (`deep_copy`: microseconds, where building one
+    took 9 ms for BFCL's file-system tools; a step builds one per row, K Act rows and the tool-forced calls)."""
+    import llguidance
+
+    error = _checked(grammar)
+    if error:
+        raise ConstraintError(error.strip().splitlines()[0])
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), grammar, log_level=0)
+    if matcher.is_error():
+        raise ConstraintError(matcher.get_error().splitlines()[0])
+    return matcher
+
+
 class RowMatcher:
     """The grammar state of one decoded row: which tokens may come next, fed token by token."""
 
     def __init__(self, tokenizer: Any, constraint: Constraint) -> None:
-        import llguidance
-
-        grammar = grammar_text(constraint)
-        error = _checked(grammar)
-        if error:
-            raise ConstraintError(error.strip().splitlines()[0])
-        self._matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ConstraintError(self._matcher.get_error().splitlines()[0])
+        self._matcher = _fresh_matcher(tokenizer, grammar_text(constraint)).deep_copy()
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """A bool mask [vocab_size] of the tokens the grammar allows next (EOS when complete)."""

@@ -34,6 +34,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.ao.nn.quantized.dynamic as qd
 import torch.nn.functional as F
 
 Step = Callable[..., torch.Tensor]
@@ -54,21 +55,64 @@ def generic_step(model: Any, cache: Any) -> Step:
     return step
 
 
-def _dynamic_linear() -> type:
-    import torch.ao.nn.quantized.dynamic as qd
-
-    return qd.Linear
-
-
-def _linear_types() -> tuple[type, ...]:
-    return (torch.nn.Linear, _dynamic_linear())  # plain, or `loading.quantize_linears`'s fp16/int8
-
-
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
+def native_matmul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`h @ weight.T` for an fp16 `weight` [N, K] by `native_decode.c`'s `envace_gemm`, where `h` has more than
+    `NATIVE_MAX_TOKENS` rows (prefills, token trees, scoring passes: fewer rows are decode steps, which
+    `_native_step` computes whole); None where it does not apply (fewer rows, not fp32 on the CPU, sizes its
+    tiles do not take, no library)."""
+    from . import native
+
+    rows = h.numel() // h.shape[-1]
+    n, k = weight.shape
+    if rows <= NATIVE_MAX_TOKENS or h.dtype != torch.float32 or h.device.type != "cpu" or h.shape[-1] != k:
+        return None
+    lib = native.library()
+    if lib is None or n % 16 or k % 8:
+        return None
+    x = h.contiguous()
+    out = x.new_empty((*h.shape[:-1], n))
+    lib.envace_gemm(rows, n, k, x.data_ptr(), weight.data_ptr(), out.data_ptr())
+    return out
+
+
+class NativeLinear(qd.Linear):
+    """fbgemm's fp16 dynamic linear layer (`loading.quantize_linears` makes these), whose products of more than
+    `NATIVE_MAX_TOKENS` rows run natively (`native_matmul`: 1.15-1.4x fbgemm's on the embedded model's
+    prefill shapes, 1.5-1.7x on its head) once `NativeWeights.build` has given it its fp16 weight, a view of
+    the model's native copy. Any other input, a weight replaced since (`set_weight_bias`), or no library:
+    fbgemm, as before."""
+
+    native_weight: "tuple[Any, torch.Tensor] | None" = None
+    """(the packed weights it was made from, the fp16 weight [out, in])."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = self.native_weight
+        if held is not None and held[0] is self._packed_params._packed_params:
+            out = native_matmul(x, held[1])
+            if out is not None:
+                return out
+        return super().forward(x)
+
+
+def _linear_types() -> tuple[type, ...]:
+    return (torch.nn.Linear, qd.Linear, NativeLinear)  # plain, or `loading.quantize_linears`'s fp16/int8
+
+
 def _is_fp16_dynamic(module: Any) -> bool:
-    return type(module) is _dynamic_linear() and module._packed_params.dtype == torch.float16
+    return isinstance(module, qd.Linear) and module._packed_params.dtype == torch.float16
+
+
+def _with_native(weight: torch.Tensor, fallback: Linear) -> Linear:
+    """`native_matmul` where it applies, else `fallback` (the fused fbgemm product)."""
+
+    def linear(h: torch.Tensor) -> torch.Tensor:
+        out = native_matmul(h, weight)
+        return fallback(h) if out is None else out
+
+    return linear
 
 
 def fused_linear(modules: Sequence[Any]) -> Linear:
@@ -147,7 +191,7 @@ def _weights_key(model: Any) -> tuple[Any, ...]:
     """Changes whenever a weight is replaced or written in place (a merge, a load, an optimizer step)."""
     key: list[Any] = []
     for module in model.modules():
-        if type(module) is _dynamic_linear():
+        if isinstance(module, qd.Linear):
             # The packed weights themselves (`set_weight_bias` replaces them), held so that their id is not reused.
             key.append(_Same(module._packed_params._packed_params))
     for param in model.parameters():
@@ -178,19 +222,31 @@ class NativeWeights:
 
     @classmethod
     def build(cls, model: Any) -> "NativeWeights | None":
-        """Each packed weight unpacked once; None where a linear layer has a bias (the C step adds none)."""
+        """Each packed weight unpacked once; None where a linear layer has a bias (the C step adds none). Each
+        `NativeLinear` gets its rows of the copy (a view) for its products of many rows."""
         biased = False
+        views: list[tuple[Any, Any, torch.Tensor]] = []
 
         def half(modules: Sequence[Any]) -> torch.Tensor:
             nonlocal biased
             parts = [m._packed_params._weight_bias() for m in modules]
             biased = biased or any(b is not None for _, b in parts)
-            return torch.cat([w for w, _ in parts]).half().contiguous()
+            weight = torch.cat([w for w, _ in parts]).half().contiguous()
+            start = 0
+            for module, (w, _) in zip(modules, parts):
+                views.append((module, module._packed_params._packed_params, weight[start:start + w.shape[0]]))
+                start += w.shape[0]
+            return weight
 
         layers = [(half([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]), half([l.self_attn.o_proj]),
                    half([l.mlp.gate_proj, l.mlp.up_proj]), half([l.mlp.down_proj])) for l in model.model.layers]
         head = half([model.lm_head])
-        return None if biased else cls(layers, head)
+        if biased:
+            return None
+        for module, packed, view in views:
+            if isinstance(module, NativeLinear):
+                module.native_weight = (packed, view)
+        return cls(layers, head)
 
 
 _NATIVE: "weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], NativeWeights | None]]" = weakref.WeakKeyDictionary()
@@ -230,6 +286,15 @@ def _native_weights(model: Any, key: tuple[Any, ...] | None = None) -> NativeWei
     if cached is None or cached[0] != key:
         _NATIVE[model] = cached = (key, NativeWeights.build(model) if native_supported(model) else None)
     return cached[1]
+
+
+def prepare_native(model: Any) -> None:
+    """Build the model's `NativeWeights` now where they apply, so that its `NativeLinear` layers run their first
+    prefill's products natively too (a lean step builds them otherwise, after the first prefill)."""
+    from .decoding import new_cache
+
+    if lean_supported(model, new_cache(model.config)):
+        _native_weights(model)
 
 
 def _plain(module: Any) -> Linear:
@@ -301,16 +366,20 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     q_size, kv_size = n_heads * head_dim, n_kv * head_dim
     mlp_size = config.intermediate_size
     key = _weights_key(model)  # once for both weight caches below
+    native_weights = _native_weights(model, key) if native_enabled else None
+    native_step = None if native_weights is None else _native_step(model, cache, native_weights)
+    fused = _fused_layers(model, key)
+    if native_weights is not None:  # the fused products of many rows run natively too
+        fused = [(_with_native(w[0], qkv), _with_native(w[2], gate_up))
+                 for w, (qkv, gate_up) in zip(native_weights.layers, fused)]
     layers = []
-    for layer, (qkv, gate_up), cache_layer in zip(inner.layers, _fused_layers(model, key), cache.layers):
+    for layer, (qkv, gate_up), cache_layer in zip(inner.layers, fused, cache.layers):
         layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
                        _plain(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
                        layer.post_attention_layernorm.variance_epsilon, gate_up, _plain(layer.mlp.down_proj),
                        cache_layer))
     norm_w, norm_eps = inner.norm.weight, inner.norm.variance_epsilon
     lm_head = _plain(model.lm_head)
-    native_weights = _native_weights(model, key) if native_enabled else None
-    native_step = None if native_weights is None else _native_step(model, cache, native_weights)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              keep: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:

@@ -282,9 +282,12 @@ def quantize_linears(model: Any, weights: str) -> Any:
         return model
     if type(model).__name__.startswith("Peft"):
         raise ValueError("quantized weights need the adapter merged (merge_adapter=True)")
-    qconfig, dtype = ((per_channel_dynamic_qconfig, torch.qint8) if weights == "int8"
-                      else (float16_dynamic_qconfig, torch.float16))
-    return quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=dtype, inplace=True)
+    if weights == "int8":
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    from .fast_step import NativeLinear  # fbgemm's fp16 layer, whose many-row products may run natively
+
+    return quantize_dynamic(model, {torch.nn.Linear: float16_dynamic_qconfig}, dtype=torch.float16,
+                            mapping={torch.nn.Linear: NativeLinear}, inplace=True)
 
 
 def load_model(

@@ -57,7 +57,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.envace_attention.argtypes = [i, i, i, i, p, p, p, L, i, p, p, L, L, i, p, p, p, f, p]
     lib.envace_post_attention.argtypes = [i, i, i, p, p, p, p, f, p, p, p]
     lib.envace_head.argtypes = [i, i, i, p, p, f, p, p, p]
-    for fn in (lib.envace_pre_attention, lib.envace_attention, lib.envace_post_attention, lib.envace_head):
+    lib.envace_gemm.argtypes = [i, i, i, p, p, p]
+    for fn in (lib.envace_pre_attention, lib.envace_attention, lib.envace_post_attention, lib.envace_head,
+               lib.envace_gemm):
         fn.restype = None
 
 

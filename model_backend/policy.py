@@ -8,6 +8,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from . import fast_step
 from .base import Generation, GenerationConfig, Prompt, Timings, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
@@ -64,6 +65,7 @@ class TransformersPolicy:
         reset does not clear it (`forget_scores` does), since those prompts hold nothing of an episode."""
         self._scores: OrderedDict[bytes, list[float]] = OrderedDict()
         """Recent `score` results by (prompt, continuation) tokens (see `score`)."""
+        fast_step.prepare_native(self.model)
         self.timings = Timings()
         """Seconds per phase (`act.tokenize`, `act.prefill`, `act.decode`, `rehearse.*`, `score.*`)."""
 
@@ -148,8 +150,15 @@ class TransformersPolicy:
         if not prompts:
             return []
         with self.timings.phase("score.tokenize"):
-            prompt_ids = [self.encode(p) for p in prompts]
-            cont_ids = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
+            # Each distinct prompt and continuation once: callers repeat them (one Act prompt under every tool
+            # name, one request under every tool line), and a 1,000-token prompt takes a millisecond or two.
+            by_prompt: dict[int, list[int]] = {}
+            for p in prompts:
+                if id(p) not in by_prompt:
+                    by_prompt[id(p)] = self.encode(p)
+            by_text = {c: list(self.tokenizer.encode(c, add_special_tokens=False)) for c in set(continuations)}
+            prompt_ids = [by_prompt[id(p)] for p in prompts]
+            cont_ids = [by_text[c] for c in continuations]
             keys = [_score_key(p, c) for p, c in zip(prompt_ids, cont_ids)]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
         with self._lock:

@@ -107,6 +107,54 @@ def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pyte
     assert calls == [None]
 
 
+@pytest.mark.parametrize(("rows", "out", "inner"), [(17, 16, 32), (23, 112, 264), (100, 192, 48)])
+def test_native_products_of_many_rows(built: None, rows: int, out: int, inner: int) -> None:
+    """`envace_gemm` against fp32 products of the widened weights: tails of rows (not a multiple of 6), of
+    columns (a block of 96 part full) and of K (a block of 256 and 8 more) included."""
+    generator = torch.Generator().manual_seed(rows)
+    h = torch.randn(1, rows, inner, generator=generator)
+    weight = (torch.randn(out, inner, generator=generator) * 0.1).half()
+    product = fast_step.native_matmul(h, weight)
+    assert product is not None and product.shape == (1, rows, out)
+    reference = h.double() @ weight.double().T
+    assert (product.double() - reference).abs().max().item() < 1e-5 * inner ** 0.5
+    # Decode-sized inputs, other dtypes and sizes its tiles do not take are not its to compute.
+    assert fast_step.native_matmul(h[:, :16], weight) is None
+    assert fast_step.native_matmul(h.double(), weight) is None
+    assert fast_step.native_matmul(h, weight[:8]) is None
+
+
+def test_native_linear_runs_many_rows_natively_until_its_weight_changes(built: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `NativeLinear` computes prefill-sized inputs natively, as fbgemm does to float rounding; a weight
+    replaced since the native copy was made, or the native step turned off, goes back to fbgemm."""
+    model = tiny_fp16_model()
+    fast_step.prepare_native(model)
+    up = model.model.layers[0].mlp.up_proj
+    assert isinstance(up, fast_step.NativeLinear) and up.native_weight is not None
+    calls = []
+    real = fast_step.native_matmul
+    monkeypatch.setattr(fast_step, "native_matmul", lambda h, w: calls.append(h.shape) or real(h, w))
+    h = torch.randn(2, 20, 32)
+    fbgemm = torch.ops.quantized.linear_dynamic_fp16(h, up._packed_params._packed_params)
+    assert (up(h) - fbgemm).abs().max().item() < 1e-5 and calls == [h.shape]
+    native.use(False)
+    try:
+        assert torch.equal(up(h), fbgemm)
+    finally:
+        native.use(True)
+    weight, bias = up._packed_params._weight_bias()
+    up.set_weight_bias(weight * 3.0, bias)
+    tripled = torch.ops.quantized.linear_dynamic_fp16(h, up._packed_params._packed_params)
+    assert (tripled - fbgemm).abs().max().item() > 0.1  # the stale copy's product would be caught
+    calls.clear()
+    assert torch.equal(up(h), tripled) and calls == []  # the stale copy is not used
+    with torch.inference_mode():  # a lean step rebuilds the copy, with the new weight
+        fast_step.lean_step(model, decoding.new_cache(model.config))
+    assert up.native_weight is not None and up.native_weight[0] is up._packed_params._packed_params
+    assert (up(h) - tripled).abs().max().item() < 1e-5 and calls == [h.shape]
+
+
 def test_native_weights_follow_the_model(built: None) -> None:
     """A weight replaced (a merge, a reload) rebuilds the native copy: a stale one would decode the old model."""
     model = tiny_fp16_model()
