@@ -272,7 +272,10 @@ def encode_prefix(model: Any, prefix_ids: list[int], cache: DynamicCache, prefix
     computed, and the whole stored when no entry holds it yet."""
     reused = prefix_cache.restore(prefix_ids, cache) if prefix_cache is not None else 0
     prefix = torch.tensor([prefix_ids[reused:]], device=model.device)
-    model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
+    # The lean step where it applies: a short rest after a restored prefix (an Act prompt and the ranking's
+    # `<tool_call>{"name": "`) then runs natively, 53 ms against the forward's 95 for 901 restored + 9 tokens.
+    positions = torch.arange(reused, len(prefix_ids), device=model.device)[None]
+    decode_step(model, cache)(prefix, None, positions, 1)
     if prefix_cache is not None and prefix_cache.covered(prefix_ids) < len(prefix_ids):
         prefix_cache.store(prefix_ids, cache)
 
