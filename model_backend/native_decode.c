@@ -251,73 +251,91 @@ static void attend_part(const float *q, int groups, int dim, const float *keys, 
  * [B, kv, S, dim] with batch stride own_bs and head stride own_hs; own_mask: [B, S] (1 = visible) or NULL.
  * Query n belongs to row row_of[n] and sees that row's first limit[n] own keys (causality among the new
  * tokens of a row); row_of = NULL means query n is row n, limit = NULL all S keys. out: [N, heads, dim].
- * The keys are cut into parts so that both threads have work at batch 1; the parts' softmaxes merge
- * exactly through their maxima and sums. */
+ *
+ * The shared prefix runs as cascade attention: a task takes one key/value head and one part of the prefix
+ * for the queries of all N tokens at once, so each prefix key is read once a step, not once a row (K rows
+ * of one prompt read it K times before: 9.3 ms a token at four rows against 3.6 at one). The own keys go
+ * a task per query, head and part. Keys are cut into parts so that both threads have work at batch 1;
+ * every part's softmax (max, sum, weighted values) merges exactly with the others at the end. */
+#define QCHUNK 16
 void envace_attention(int N, int kv, int groups, int dim, const float *q, const float *shared_k,
                       const float *shared_v, long shared_hs, int P, const float *own_k, const float *own_v,
                       long own_bs, long own_hs, int S, const uint8_t *own_mask, const int *row_of, const int *limit,
                       float scale, float *out) {
-    int T = P + S;
-    int parts = (T + 255) / 256;
-    int want = (16 + N * kv - 1) / (N * kv);
-    if (parts > want) parts = want;
-    if (parts < 1) parts = 1;
-    int span = (T + parts - 1) / parts;
-    int tasks = N * kv * parts;
-    float *max = malloc(sizeof(float) * tasks * groups), *sum = malloc(sizeof(float) * tasks * groups);
-    float *acc = malloc(sizeof(float) * (long)tasks * groups * dim);
+    int shared_parts = 0, own_parts = (S + 255) / 256;
+    if (P > 0) {
+        shared_parts = (P + 255) / 256;
+        int want = (16 + kv - 1) / kv;
+        if (shared_parts > want) shared_parts = want;
+    }
+    int want_own = (16 + N * kv - 1) / (N * kv);
+    if (own_parts > want_own) own_parts = want_own;
+    if (own_parts < 1) own_parts = 1;
+    int slots = shared_parts + own_parts;
+    int shared_span = shared_parts ? (P + shared_parts - 1) / shared_parts : 0;
+    int own_span = (S + own_parts - 1) / own_parts;
+    int span = shared_span > own_span ? shared_span : own_span;
+    long cells = (long)N * kv * slots * groups; /* one (query, head, group, slot) each */
+    float *max = malloc(sizeof(float) * cells), *sum = malloc(sizeof(float) * cells);
+    float *acc = malloc(sizeof(float) * cells * dim);
+    int vectors = N * groups; /* the query vectors of one kv head: every token's groups */
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * groups * (span + 1) * 2);
-#pragma omp for schedule(static)
-        for (int task = 0; task < tasks; task++) {
-            int n = task / (kv * parts), h = (task / parts) % kv, part = task % parts;
-            int b = row_of ? row_of[n] : n, end = P + (limit ? limit[n] : S);
-            int t0 = part * span, t1 = t0 + span < end ? t0 + span : end;
-            if (t0 > t1) t0 = t1; /* a part past this query's last key: nothing to see */
-            const float *qg = q + ((long)n * kv + h) * groups * dim;
-            float *mx = max + (long)task * groups, *sm = sum + (long)task * groups;
-            float *ac = acc + (long)task * groups * dim;
-            /* A part may straddle the shared prefix and the own keys: attend to each side, merge. */
-            int s0 = t0 < P ? t0 : P, s1 = t1 < P ? t1 : P;
-            int o0 = (t0 > P ? t0 : P) - P, o1 = (t1 > P ? t1 : P) - P;
-            float m2[16], s2[16], a2[16 * 128];
-            if (P > 0)
-                attend_part(qg, groups, dim, shared_k + h * shared_hs, shared_v + h * shared_hs, dim, NULL, s0, s1,
+        float *scores = malloc(sizeof(float) * QCHUNK * (span + 8));
+        float *qs = malloc(sizeof(float) * QCHUNK * dim);
+        float mx[QCHUNK], sm[QCHUNK], *ac = malloc(sizeof(float) * QCHUNK * dim);
+#pragma omp for schedule(static) nowait
+        for (int task = 0; task < kv * shared_parts; task++) {
+            int h = task / shared_parts, part = task % shared_parts;
+            int t0 = part * shared_span, t1 = t0 + shared_span < P ? t0 + shared_span : P;
+            for (int v0 = 0; v0 < vectors; v0 += QCHUNK) {
+                int count = vectors - v0 < QCHUNK ? vectors - v0 : QCHUNK;
+                for (int j = 0; j < count; j++) { /* vector v0 + j: token n's query group g of head h */
+                    int n = (v0 + j) / groups, g = (v0 + j) % groups;
+                    memcpy(qs + j * dim, q + (((long)n * kv + h) * groups + g) * dim, sizeof(float) * dim);
+                }
+                attend_part(qs, count, dim, shared_k + h * shared_hs, shared_v + h * shared_hs, dim, NULL, t0, t1,
                             scale, mx, sm, ac, scores);
-            else
-                attend_part(qg, groups, dim, NULL, NULL, dim, NULL, 0, 0, scale, mx, sm, ac, scores);
-            attend_part(qg, groups, dim, own_k + b * own_bs + h * own_hs, own_v + b * own_bs + h * own_hs, dim,
-                        own_mask ? own_mask + (long)b * S : NULL, o0, o1, scale, m2, s2, a2, scores);
-            for (int g = 0; g < groups; g++) {
-                float m = mx[g] > m2[g] ? mx[g] : m2[g];
-                if (m == -INFINITY) continue;
-                float c1 = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m), c2 = m2[g] == -INFINITY ? 0.f : expf(m2[g] - m);
-                for (int d = 0; d < dim; d++) ac[g * dim + d] = ac[g * dim + d] * c1 + a2[g * dim + d] * c2;
-                sm[g] = sm[g] * c1 + s2[g] * c2;
-                mx[g] = m;
+                for (int j = 0; j < count; j++) {
+                    int n = (v0 + j) / groups, g = (v0 + j) % groups;
+                    long cell = (((long)n * kv + h) * slots + part) * groups + g;
+                    max[cell] = mx[j];
+                    sum[cell] = sm[j];
+                    memcpy(acc + cell * dim, ac + j * dim, sizeof(float) * dim);
+                }
             }
         }
+#pragma omp for schedule(static)
+        for (int task = 0; task < N * kv * own_parts; task++) {
+            int n = task / (kv * own_parts), h = (task / own_parts) % kv, part = task % own_parts;
+            int b = row_of ? row_of[n] : n, end = limit ? limit[n] : S;
+            int t0 = part * own_span, t1 = t0 + own_span < end ? t0 + own_span : end;
+            if (t0 > t1) t0 = t1; /* a part past this query's last key: nothing to see */
+            long cell = (((long)n * kv + h) * slots + shared_parts + part) * groups;
+            attend_part(q + ((long)n * kv + h) * groups * dim, groups, dim, own_k + b * own_bs + h * own_hs,
+                        own_v + b * own_bs + h * own_hs, dim, own_mask ? own_mask + (long)b * S : NULL, t0, t1, scale,
+                        max + cell, sum + cell, acc + cell * dim, scores);
+        }
         free(scores);
+        free(qs);
+        free(ac);
     }
     for (int n = 0; n < N; n++)
         for (int h = 0; h < kv; h++)
             for (int g = 0; g < groups; g++) {
+                long first = ((long)n * kv + h) * slots * groups + g; /* slot s at first + s * groups */
                 float m = -INFINITY, s = 0.f;
-                for (int part = 0; part < parts; part++) {
-                    float mp = max[((long)(n * kv + h) * parts + part) * groups + g];
-                    if (mp > m) m = mp;
-                }
+                for (int slot = 0; slot < slots; slot++)
+                    if (max[first + slot * groups] > m) m = max[first + slot * groups];
                 float *o = out + (((long)n * kv + h) * groups + g) * dim;
                 for (int d = 0; d < dim; d++) o[d] = 0.f;
                 if (m == -INFINITY) continue; /* nothing visible: zeros, as the torch path's merge gives */
-                for (int part = 0; part < parts; part++) {
-                    long task = (long)(n * kv + h) * parts + part;
-                    float mp = max[task * groups + g];
-                    if (mp == -INFINITY) continue;
-                    float c = expf(mp - m);
-                    s += sum[task * groups + g] * c;
-                    for (int d = 0; d < dim; d++) o[d] += acc[(task * groups + g) * dim + d] * c;
+                for (int slot = 0; slot < slots; slot++) {
+                    long cell = first + slot * groups;
+                    if (max[cell] == -INFINITY) continue;
+                    float c = expf(max[cell] - m);
+                    s += sum[cell] * c;
+                    for (int d = 0; d < dim; d++) o[d] += acc[cell * dim + d] * c;
                 }
                 for (int d = 0; d < dim; d++) o[d] /= s;
             }
