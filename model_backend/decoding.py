@@ -321,11 +321,13 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(0, order[keep], top[keep])
 
 
-def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Next token per row: argmax for greedy rows, seeded top-p sampling for the others."""
+def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Generator | None],
+            done: Sequence[bool] | None = None) -> torch.Tensor:
+    """Next token per row: argmax for greedy rows, seeded top-p sampling for the others (not for `done` rows,
+    whose generators are never used again: a draw over 49,152 tokens costs about a millisecond)."""
     chosen = logits.argmax(dim=-1)
     for i, (row, gen) in enumerate(zip(rows, generators)):
-        if gen is None:
+        if gen is None or (done is not None and done[i]):
             continue
         probs = torch.softmax(logits[i].float() / row.temperature, dim=-1)
         if row.top_p < 1.0:
@@ -432,9 +434,10 @@ def generate(
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             allowed = [None if done[i] or r.matcher is None else r.matcher.allowed(logits.shape[-1])
                        for i, r in enumerate(rows)]
-            tokens = _choose(mask_logits(logits, allowed), rows, generators)
+            tokens = _choose(mask_logits(logits, allowed), rows, generators, done)
             token_lps = logprobs.gather(1, tokens[:, None]).squeeze(1)
             feeds = [[pad_id] for _ in rows]  # finished rows stay in the batch (reshaping the cache costs more)
+            fed = [False] * batch  # rows feeding a token of their own (not the finished rows' pad)
             # One host sync per step for all rows.
             for i, (tok, lp) in enumerate(zip(tokens.tolist(), token_lps.tolist())):
                 if done[i]:
@@ -449,7 +452,7 @@ def generate(
                 if matcher is not None and not matcher.consume(tok):
                     done[i] = True  # cannot happen with a sound mask; stop rather than write garbage
                     continue
-                feeds[i] = [tok]
+                feeds[i], fed[i] = [tok], True
                 if jump_forward and matcher is not None:
                     forced_ids = _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
                     feeds[i] += forced_ids
@@ -462,13 +465,21 @@ def generate(
             if all(done) and not forced:
                 break
             if not forced:
-                if padded:  # without pads the mask is all ones: skip it (and its per-step cost)
-                    mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=mask.device)], dim=1)
+                # A finished row's new token is masked, and the native step then computes only the live rows
+                # (a batch runs until its longest row ends). Without pads or finished rows the mask is all
+                # ones: it is skipped, with its per-step cost.
+                if any(done) and not padded:
+                    mask = torch.ones((batch, cache.get_seq_length()), dtype=mask.dtype, device=mask.device)
+                    padded = True
+                if padded:
+                    live = torch.tensor([[0 if d else 1] for d in done], dtype=mask.dtype, device=mask.device)
+                    mask = torch.cat([mask, live], dim=1)
                 feed = torch.tensor([f[0] for f in feeds], device=positions.device)
                 logits = next_logits(feed[:, None], mask if padded else None, positions[:, None])[:, -1, :]
                 positions = positions + 1
                 continue
             ids, chunk_mask, chunk_positions, lengths = _chunk(feeds, positions, pad_id)
+            chunk_mask[[i for i in range(batch) if not fed[i]]] = 0  # finished rows' pads (forced rows stay)
             if not padded:  # the mask was not kept up to date while it was all ones
                 mask = torch.ones((batch, cache.get_seq_length()), dtype=mask.dtype, device=mask.device)
             mask = torch.cat([mask, chunk_mask.to(mask.device)], dim=1)

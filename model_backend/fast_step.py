@@ -448,7 +448,8 @@ trees) keep fbgemm's products, which are faster once there are enough rows to mu
 def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[..., torch.Tensor | None]:
     """New tokens through `native_decode.c`: three C calls a layer (before attention, attention over [shared
     prefix | the row's own keys], after attention) and one for the head. Only real tokens are computed: a
-    batch's pads (rows feeding fewer tokens than the widest, as jump-forward's do) cost nothing, and their
+    batch's pads (rows feeding fewer tokens than the widest, as jump-forward's do, and finished rows, whose new
+    token `decoding.generate` masks) cost nothing, and their
     keys and values go into the cache as zeros, masked like any pad's. Keys and values go into the cache
     through `append`, so the cache's bookkeeping is the torch step's. Returns None for a step it leaves to
     torch (more than `NATIVE_MAX_TOKENS` real tokens)."""
@@ -474,7 +475,7 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              keep: int | None = None) -> torch.Tensor | None:
         batch, width = ids.shape
-        if width == 1:  # a decode step: every row feeds one real token
+        if width == 1 and (mask is None or bool(mask[:, -1].all())):  # a decode step: every row feeds a token
             real, count = None, batch
             tokens, token_positions = ids.reshape(batch), positions.reshape(batch)
         else:

@@ -228,8 +228,22 @@ def test_a_fresh_build_lands_in_the_cache(fresh_native: pytest.MonkeyPatch, tmp_
 
 
 @pytest.mark.slow
-def test_native_step_on_the_embedded_model(built: None) -> None:
-    """The embedded model's fp16 logits as the torch step's, and the same greedy text as plain `generate`."""
+def test_native_step_on_the_embedded_model(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model's fp16 logits as the torch step's, and the same greedy text as plain `generate`, with
+    a batch whose finished row is masked (the native step then computes only the live row)."""
+    live_rows = []
+    real = fast_step._native_step
+
+    def watching(*args: Any) -> Any:
+        step = real(*args)
+
+        def watched(ids: torch.Tensor, mask: Any, *rest: Any) -> Any:
+            if ids.shape[1] == 1 and mask is not None:
+                live_rows.append(int(mask[:, -1].sum()))
+            return step(ids, mask, *rest)
+        return watched
+
+    monkeypatch.setattr(fast_step, "_native_step", watching)
     policy = load_policy("embedded", weights="fp16")
     model = policy.model
     assert fast_step._native_weights(model) is not None
@@ -237,6 +251,8 @@ def test_native_step_on_the_embedded_model(built: None) -> None:
     for seqs in ([ids], [ids, ids[:-3] + [28, 29, 30, 31], ids[:-6]]):
         assert_same_function(decode_logits(model, seqs, fast_step.lean_step),
                              decode_logits(model, seqs, torch_lean))
-    prompts = [user("ls()", prefill="<execution_result>"), user("pwd() after cd(folder='documents')")]
+    prompts = [user("ls()", prefill="<execution_result>"), user("pwd() after cd(folder='documents')"), user("Say hi.")]
     config = GenerationConfig(max_new_tokens=24)
+    live_rows.clear()
     assert [g.text for g in policy.rehearse(prompts, config)] == [policy.reference_generate(p, 24) for p in prompts]
+    assert 2 in live_rows and 3 in live_rows  # the greeting ended first (21 tokens): the others went on alone
