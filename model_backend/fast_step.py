@@ -20,8 +20,10 @@ order); tests check the difference is tiny and that greedy text is the forward's
 
 For an fp16 model, steps of at most `NATIVE_MAX_TOKENS` real tokens go further: `_native_step` runs each
 layer as three calls into `native_decode.c` (see `native.py`), computing only the real tokens of a padded
-batch, with a second copy of the weights in fp16 (`NativeWeights`, built once per set of weights). Where
-the library cannot be built, or `ENVACE_NATIVE=0`, the torch ops above run instead.
+batch, with a second copy of the weights in fp16 (`NativeWeights`, built once per set of weights). Bigger
+steps (prefills, token trees, scoring passes) multiply by the same copy in C (`native_matmul`), in this
+step and in transformers' forward (`NativeLinear`). Where the library cannot be built, or
+`ENVACE_NATIVE=0`, the torch ops above run instead.
 
 `decode_step(model, cache)` returns such a step when the model and cache fit (a plain or merged
 `LlamaForCausalLM` with SDPA attention, SiLU, a growing cache; its linear layers fp32 or quantized by
@@ -364,7 +366,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     """The decode step of a `LlamaForCausalLM`, as fused tensor ops (see the module docstring); steps of at most
     `NATIVE_MAX_TOKENS` real tokens of an fp16 model run natively (`_native_step`) where `native_enabled` and
-    the library is built (token trees never do)."""
+    the library is built (token trees never do), and so do the products of bigger steps (`native_matmul`;
+    those of the model's own `NativeLinear` layers follow `native.use` alone)."""
     config = model.config
     inner = model.model
     embed = inner.embed_tokens
