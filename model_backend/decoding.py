@@ -387,6 +387,15 @@ def _chunk(feeds: list[list[int]], positions: torch.Tensor, pad_id: int
     return ids, mask, chunk_positions, lengths
 
 
+def _twins(twin_of: list[int], feeds: list[list[int]], fed: list[bool]) -> torch.Tensor | None:
+    """Update `twin_of` for this step's feeds, and return it as a step's `twins` (None when no row has one):
+    rows of one sequence stay twins while they feed the same tokens; a finished row is its own."""
+    groups: dict[tuple[int, tuple[int, ...]], int] = {}
+    for i, feed in enumerate(feeds):
+        twin_of[i] = groups.setdefault((twin_of[i], tuple(feed)), i) if fed[i] else i
+    return torch.tensor(twin_of) if any(t != i for i, t in enumerate(twin_of)) else None
+
+
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     ends = [text.find(s) + len(s) for s in stop if s in text]
     return text[: min(ends)] if ends else text
@@ -421,6 +430,11 @@ def generate(
     # Stop strings are text; a token is at least one byte, so this many tokens cover any stop.
     windows = [max((len(s.encode()) for s in row.stop), default=0) + 2 for row in rows]
     done = [False] * batch
+    # Rows that are the same sequence so far (K sampled Act rows of one prompt agree on `<tool_call>{"name": "`
+    # and often the tool): each points at the first of them, whose keys and logits the native step copies
+    # (`fast_step.Step`'s `twins`), so K identical rows cost one until their tokens differ.
+    firsts: dict[tuple[int, ...], int] = {}
+    twin_of = [firsts.setdefault(tuple(r.ids), i) for i, r in enumerate(rows)]
 
     timings = timings or Timings()
     with torch.inference_mode(), timings.phase(f"{role}.prefill"):
@@ -464,6 +478,7 @@ def generate(
             forced = any(len(f) > 1 for f in feeds)  # their log-probabilities come from the next forward
             if all(done) and not forced:
                 break
+            twins = _twins(twin_of, feeds, fed)
             if not forced:
                 # A finished row's new token is masked, and the native step then computes only the live rows
                 # (a batch runs until its longest row ends). Without pads or finished rows the mask is all
@@ -475,7 +490,7 @@ def generate(
                     live = torch.tensor([[0 if d else 1] for d in done], dtype=mask.dtype, device=mask.device)
                     mask = torch.cat([mask, live], dim=1)
                 feed = torch.tensor([f[0] for f in feeds], device=positions.device)
-                logits = next_logits(feed[:, None], mask if padded else None, positions[:, None])[:, -1, :]
+                logits = next_logits(feed[:, None], mask if padded else None, positions[:, None], twins=twins)[:, -1, :]
                 positions = positions + 1
                 continue
             ids, chunk_mask, chunk_positions, lengths = _chunk(feeds, positions, pad_id)
@@ -485,7 +500,7 @@ def generate(
             mask = torch.cat([mask, chunk_mask.to(mask.device)], dim=1)
             padded = padded or bool((chunk_mask == 0).any())
             chunk = next_logits(ids.to(positions.device), mask if padded else None,
-                                chunk_positions.to(positions.device))
+                                chunk_positions.to(positions.device), twins=twins)
             width = ids.shape[1]
             for i, feed in enumerate(feeds):
                 if len(feed) > 1:  # the forced tokens' log-probabilities, each from the position before it

@@ -18,11 +18,11 @@ overhead costs about as much as reading the weights. This step computes the same
 Its logits match `model(...)`'s to float rounding, not bitwise (the fused products sum in another
 order); tests check the difference is tiny and that greedy text is the forward's.
 
-For an fp16 model, steps of at most `NATIVE_MAX_TOKENS` real tokens go further: `_native_step` runs each
-layer as three calls into `native_decode.c` (see `native.py`), computing only the real tokens of a padded
-batch, with a second copy of the weights in fp16 (`NativeWeights`, built once per set of weights). Bigger
-steps (prefills, token trees, scoring passes) multiply by the same copy in C (`native_matmul`), in this
-step and in transformers' forward (`NativeLinear`). Where the library cannot be built, or
+For an fp16 model, steps of at most `NATIVE_STEP_MAX_TOKENS` real tokens go further: `_native_step` runs
+each layer as three calls into `native_decode.c` (see `native.py`), computing only the real tokens of a padded
+batch (and one of each set of twin rows, `Step`), with a second copy of the weights in fp16 (`NativeWeights`,
+built once per set of weights). Bigger steps (prefills, token trees, scoring passes) multiply by the same copy
+in C (`native_matmul`), in this step and in transformers' forward (`NativeLinear`). Where the library cannot be built, or
 `ENVACE_NATIVE=0`, the torch ops above run instead.
 
 `decode_step(model, cache)` returns such a step when the model and cache fit (a plain or merged
@@ -40,16 +40,19 @@ import torch.ao.nn.quantized.dynamic as qd
 import torch.nn.functional as F
 
 Step = Callable[..., torch.Tensor]
-"""(input ids [B, W], attention mask [B, cache length + W] or None, position ids [B, W], keep=None) -> logits
-[B, keep or W, V] of the last `keep` positions. W is 1 for a decode step, more where a grammar forces tokens
-(jump-forward) or where the rows' own prompt suffixes are encoded after a shared prefix (`decoding.prefill`)."""
+"""(input ids [B, W], attention mask [B, cache length + W] or None, position ids [B, W], keep=None,
+twins=None) -> logits [B, keep or W, V] of the last `keep` positions. W is 1 for a decode step, more where a
+grammar forces tokens (jump-forward) or where the rows' own prompt suffixes are encoded after a shared prefix
+(`decoding.prefill`). `twins` ([B] long, or None) is a hint: row b, with `twins[b]` != b, is the same sequence
+as row `twins[b]` (its prompt, every token so far and this step's), so a step may copy that row's keys, values
+and logits instead of computing them (the native step does; the others compute every row)."""
 
 
 def generic_step(model: Any, cache: Any) -> Step:
     """The ordinary forward call (any model)."""
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-             keep: int | None = None) -> torch.Tensor:
+             keep: int | None = None, twins: torch.Tensor | None = None) -> torch.Tensor:
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                     logits_to_keep=keep or ids.shape[1])
         return out.logits
@@ -365,7 +368,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     """The decode step of a `LlamaForCausalLM`, as fused tensor ops (see the module docstring); steps of at most
-    `NATIVE_MAX_TOKENS` real tokens of an fp16 model run natively (`_native_step`) where `native_enabled` and
+    `NATIVE_STEP_MAX_TOKENS` real tokens of an fp16 model run natively (`_native_step`) where `native_enabled` and
     the library is built (token trees never do), and so do the products of bigger steps (`native_matmul`;
     those of the model's own `NativeLinear` layers follow `native.use` alone)."""
     config = model.config
@@ -395,12 +398,13 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
     lm_head = _plain(model.lm_head)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-             keep: int | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
+             keep: int | None = None, tree: torch.Tensor | None = None,
+             twins: torch.Tensor | None = None) -> torch.Tensor:
         """`tree` ([W, W] bool, batch 1, no `mask`): which of the W new tokens each new one sees (a token tree:
         itself and its ancestors), instead of all earlier ones; every cached position stays visible."""
         batch, width = ids.shape
         if native_step is not None and tree is None:
-            logits = native_step(ids, mask, positions, keep)
+            logits = native_step(ids, mask, positions, keep, twins)
             if logits is not None:
                 return logits
         x = F.embedding(ids, embed.weight, embed.padding_idx)  # [B, W, hidden]
@@ -444,8 +448,12 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
 
 
 NATIVE_MAX_TOKENS = 16
-"""Steps feeding at most this many real (unpadded) new tokens in all run natively; bigger ones (prefill, token
-trees) keep fbgemm's products, which are faster once there are enough rows to multiply."""
+"""Products of more rows than this run as `envace_gemm`'s packed product (`native_matmul`); fewer are decode
+steps, which `_native_step` computes whole."""
+NATIVE_STEP_MAX_TOKENS = 64
+"""Steps computing at most this many new tokens in all (a row's twins and pads not counted) run natively; bigger
+ones (prefills, token trees) go through torch with the same native products. 36 tokens (four rows of nine)
+took 119 ms natively against 140 through torch, 60 tokens (20 rows of three) 188 against 206."""
 
 
 def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[..., torch.Tensor | None]:
@@ -455,7 +463,7 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     token `decoding.generate` masks) cost nothing, and their
     keys and values go into the cache as zeros, masked like any pad's. Keys and values go into the cache
     through `append`, so the cache's bookkeeping is the torch step's. Returns None for a step it leaves to
-    torch (more than `NATIVE_MAX_TOKENS` real tokens)."""
+    torch (more than `NATIVE_STEP_MAX_TOKENS` tokens to compute)."""
     from . import native
 
     lib = native.library()
@@ -476,16 +484,22 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     scratch_size = max(hidden + (heads + 2 * kv) * dim, hidden + 2 * mlp)
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-             keep: int | None = None) -> torch.Tensor | None:
+             keep: int | None = None, twins: torch.Tensor | None = None) -> torch.Tensor | None:
         batch, width = ids.shape
-        if width == 1 and (mask is None or bool(mask[:, -1].all())):  # a decode step: every row feeds a token
-            real, count = None, batch
+        copies = None  # rows that copy their twin's keys, values and logits
+        if twins is not None:
+            copies = (twins != torch.arange(batch)).nonzero().squeeze(1)
+            copies = copies if copies.numel() else None
+        if copies is None and width == 1 and (mask is None or bool(mask[:, -1].all())):
+            real, count = None, batch  # a decode step: every row feeds a token
             tokens, token_positions = ids.reshape(batch), positions.reshape(batch)
         else:
-            new = mask[:, -width:].bool() if mask is not None else ids.new_ones((batch, width), dtype=torch.bool)
-            real = new.reshape(-1).nonzero().squeeze(1)  # flat (row, position) indices of the real tokens
+            new = (mask[:, -width:] != 0) if mask is not None else ids.new_ones((batch, width), dtype=torch.bool)
+            if copies is not None:
+                new[copies] = False
+            real = new.reshape(-1).nonzero().squeeze(1)  # flat (row, position) indices of the tokens computed
             count = real.numel()
-            if count == 0 or count > NATIVE_MAX_TOKENS:
+            if count == 0 or count > NATIVE_STEP_MAX_TOKENS:
                 return None
             tokens, token_positions = ids.reshape(-1)[real], positions.reshape(-1)[real]
         x = F.embedding(tokens, embed.weight, embed.padding_idx).contiguous()  # [N, hidden]
@@ -511,6 +525,9 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
                                      v.data_ptr(), scratch.data_ptr())
             if real is not None:
                 k_all[real], v_all[real] = k, v
+                if copies is not None:
+                    k_by_row, v_by_row = k_all.view(batch, width, kv, dim), v_all.view(batch, width, kv, dim)
+                    k_by_row[copies], v_by_row[copies] = k_by_row[twins[copies]], v_by_row[twins[copies]]
             own_k, own_v = cache_layer.append(k_rows, v_rows)
             own = own_k.shape[-2]
             shared_len = cache_layer.shared_len
@@ -544,7 +561,10 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
         logits = x.new_zeros((batch * kept, vocab))
         chosen = real[wanted]
         logits[(chosen // width) * kept + (chosen % width) - (width - kept)] = head_out
-        return logits.view(batch, kept, vocab)
+        logits = logits.view(batch, kept, vocab)
+        if copies is not None:
+            logits[copies] = logits[twins[copies]]
+        return logits
 
     return step
 

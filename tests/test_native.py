@@ -50,21 +50,24 @@ def test_native_step_is_the_torch_steps_function_on_a_small_model(built: None) -
         assert torch.equal(native_logits.argmax(-1), torch_logits.argmax(-1))
 
 
-def chunked_logits(model: Any, seqs: list[list[int]], feeds: list[list[list[int]]], maker: Any) -> list[torch.Tensor]:
+def chunked_logits(model: Any, seqs: list[list[int]], feeds: list[list[list[int]]], maker: Any,
+                   twins: list[list[int] | None] | None = None) -> list[torch.Tensor]:
     """After a prefill, steps that feed each row its own number of tokens (left-padded to the widest, as
-    jump-forward does): the logits of every real position, row by row."""
+    jump-forward does): the logits of every real position, row by row. `twins[s]`: step s's hint."""
     out = []
+    twins = twins or [None] * len(feeds)
     with torch.inference_mode():
         pre = decoding.prefill(model, seqs, [1] * len(seqs), keep=1, pad_id=2)
         step, mask, positions = maker(model, pre.cache), pre.attention_mask, pre.next_positions
         padded = pre.has_padding
-        for feed in feeds:
+        for feed, hint in zip(feeds, twins):
             ids, chunk_mask, chunk_positions, lengths = decoding._chunk(feed, positions, 2)
             if not padded:
                 mask = torch.ones((len(seqs), pre.cache.get_seq_length()), dtype=torch.long)
             mask = torch.cat([mask, chunk_mask], dim=1)
             padded = padded or bool((chunk_mask == 0).any())
-            logits = step(ids, mask if padded else None, chunk_positions)
+            logits = step(ids, mask if padded else None, chunk_positions,
+                          twins=None if hint is None else torch.tensor(hint))
             width = ids.shape[1]
             out += [logits[i, width - len(f):] for i, f in enumerate(feed)]
             positions = positions + lengths
@@ -81,6 +84,11 @@ def test_native_step_computes_only_real_tokens_of_padded_chunks(built: None) -> 
         ([prefix + [5, 6], prefix + [7], prefix + [8, 9, 10]],
          [[[11, 12, 13], [14], [15, 16]], [[17], [18, 19, 20, 21, 22], [23]], [[24], [25], [26]]]),
         ([prefix], [[[30, 31, 32, 33]], [[34]], [[35, 36]]]),  # one row: no pads, no mask, causal
+        # Five rows of one token (products in tiles of three and two rows), then 44 tokens in six rows (the
+        # packed product, past 32 rows), then 23 (tiles of up to four rows).
+        ([prefix + [40 + i] for i in range(5)], [[[50 + i] for i in range(5)]]),
+        ([prefix + [40 + i] for i in range(6)],
+         [[list(range(50, 50 + n)) for n in (9, 1, 9, 8, 9, 8)], [[60 + i] * (1 + 2 * i) for i in range(5)] + [[7]]]),
     ):
         native_rows = chunked_logits(model, seqs, feeds, fast_step.lean_step)
         torch_rows = chunked_logits(model, seqs, feeds, torch_lean)
@@ -89,8 +97,37 @@ def test_native_step_computes_only_real_tokens_of_padded_chunks(built: None) -> 
             assert torch.equal(n.argmax(-1), t.argmax(-1))
 
 
+def test_twin_rows_copy_their_twins_keys_and_logits(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows 0 and 2 the same sequence, row 1 another: with the `twins` hint the native step computes row 0's
+    tokens once for both, and every logit, then and after the rows part, is the torch step's (which computes
+    every row): row 2's keys and values, copied from row 0's, are its own."""
+    model = tiny_fp16_model(seed=5)
+    prefix = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    seqs = [prefix + [5, 6], prefix + [7], prefix + [5, 6]]
+    feeds = [[[11, 12, 13], [14], [11, 12, 13]], [[15], [16], [15]], [[17, 18], [19], [20]], [[21], [22], [23]]]
+    hints = [[0, 1, 0], [0, 1, 0], None, None]
+    computed = []
+    lib = native.library()
+    pre_attention = lib.envace_pre_attention
+
+    def counting(count: int, *rest: Any) -> Any:
+        computed.append(count)
+        return pre_attention(count, *rest)
+
+    monkeypatch.setattr(lib, "envace_pre_attention", counting)
+    native_rows = chunked_logits(model, seqs, feeds, fast_step.lean_step, hints)
+    monkeypatch.setattr(lib, "envace_pre_attention", pre_attention)
+    torch_rows = chunked_logits(model, seqs, feeds, torch_lean)
+    for n, t in zip(native_rows, torch_rows):
+        assert (n - t).abs().max().item() < 1e-4
+        assert torch.equal(n.argmax(-1), t.argmax(-1))
+    layers = model.config.num_hidden_layers
+    # 3 + 1 tokens (row 2's three copied), 1 + 1, then all three rows' 2 + 1 + 1 and 1 + 1 + 1.
+    assert computed == [4] * layers + [2] * layers + [4] * layers + [3] * layers
+
+
 def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past NATIVE_MAX_TOKENS real tokens (a prefill) the products are fbgemm's: the native step declines."""
+    """Past NATIVE_STEP_MAX_TOKENS real tokens (a prefill) the native step declines: torch runs the step."""
     model = tiny_fp16_model()
     calls = []
     real = fast_step._native_step
@@ -102,8 +139,9 @@ def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pyte
     monkeypatch.setattr(fast_step, "_native_step", counting)
     with torch.inference_mode():
         cache = decoding.new_cache(model.config)
-        fast_step.lean_step(model, cache)(torch.arange(3, 3 + fast_step.NATIVE_MAX_TOKENS + 1)[None], None,
-                                          torch.arange(fast_step.NATIVE_MAX_TOKENS + 1)[None])
+        n = fast_step.NATIVE_STEP_MAX_TOKENS + 1
+        fast_step.lean_step(model, cache)(torch.arange(3, 3 + n)[None] % model.config.vocab_size, None,
+                                          torch.arange(n)[None])
     assert calls == [None]
 
 
@@ -230,7 +268,8 @@ def test_a_fresh_build_lands_in_the_cache(fresh_native: pytest.MonkeyPatch, tmp_
 @pytest.mark.slow
 def test_native_step_on_the_embedded_model(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The embedded model's fp16 logits as the torch step's, and the same greedy text as plain `generate`, with
-    a batch whose finished row is masked (the native step then computes only the live row)."""
+    a batch whose finished row is masked (the native step then computes only the live row); sampled twin rows
+    write what each writes alone."""
     live_rows = []
     real = fast_step._native_step
 
@@ -256,3 +295,14 @@ def test_native_step_on_the_embedded_model(built: None, monkeypatch: pytest.Monk
     live_rows.clear()
     assert [g.text for g in policy.rehearse(prompts, config)] == [policy.reference_generate(p, 24) for p in prompts]
     assert 2 in live_rows and 3 in live_rows  # the greeting ended first (21 tokens): the others went on alone
+    # Three sampled rows of one prompt are twins until their tokens differ (rows 0 and 2 agree on "The sea is
+    # a" here): each row's text is the one it samples alone.
+    hints = []
+    twins = decoding._twins
+    monkeypatch.setattr(decoding, "_twins", lambda *a: hints.append(twins(*a)) or hints[-1])
+    ids = policy.encode(user("Write one short sentence about the sea."))
+    rows = [decoding.Row(ids, temperature=0.7, seed=seed) for seed in (1, 2, 3)]
+    together = decoding.generate(model, policy.tokenizer, rows, 24, policy.eos_ids, policy.pad_id)
+    alone = [decoding.generate(model, policy.tokenizer, [row], 24, policy.eos_ids, policy.pad_id)[0] for row in rows]
+    assert [o.text for o in together] == [o.text for o in alone] and len({o.text for o in alone}) == 3
+    assert [h.tolist() for h in hints if h is not None][:2] == [[0, 0, 0], [0, 1, 0]]
