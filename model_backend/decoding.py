@@ -196,7 +196,7 @@ def prefill(
         tree = TokenTree(suffixes)
         if len(tree.tokens) - 1 > min(TREE_SHARE * batch * width, TREE_MAX_NODES):
             tree = None
-    tree_logits = _encode_tree(model, cache, tree, prefix_len) if tree is not None else None
+    tree_logits = _encode_tree(model, cache, tree, prefix_len, suffixes) if tree is not None else None
     if prefix_len > 0 and batch > 1:
         cache.batch_repeat_interleave(batch)
 
@@ -234,14 +234,16 @@ padded positions (K Rehearse prompts of calls to one tool share its description;
 TREE_MAX_NODES = 2048
 
 
-def _encode_tree(model: Any, cache: DynamicCache, tree: TokenTree, prefix_len: int) -> tuple[torch.Tensor, list]:
-    """The suffixes' token tree in one row after the prefix (batch 1, tree attention). Returns each node's
-    logits ([N, V], node n at index n - 1) and, per layer, the nodes' keys and values; the cache is cut back
-    to the prefix."""
+def _encode_tree(model: Any, cache: DynamicCache, tree: TokenTree, prefix_len: int,
+                 suffixes: list[list[int]]) -> tuple[torch.Tensor, list]:
+    """The suffixes' token tree in one row after the prefix (batch 1, tree attention). Returns the logits of
+    each suffix's last token ([B, V]: the head, a fifth of the model's products, runs for these nodes only)
+    and, per layer, the nodes' keys and values; the cache is cut back to the prefix."""
     ids = torch.tensor([tree.tokens[1:]], device=model.device)
     positions = torch.tensor([[prefix_len + d - 1 for d in tree.depths[1:]]], device=model.device)
     seen = tree.ancestry()[1:, 1:].to(model.device)
-    logits = lean_step(model, cache)(ids, None, positions, ids.shape[1], tree=seen)[0]
+    ends = torch.tensor([tree.path(s)[-1] - 1 for s in suffixes], device=model.device)
+    logits = lean_step(model, cache)(ids, None, positions, tree=seen, at=ends)[0]
     nodes = []
     for layer in cache.layers:
         nodes.append((layer._k[..., prefix_len:layer._len, :].clone(), layer._v[..., prefix_len:layer._len, :].clone()))
@@ -253,7 +255,8 @@ def _encode_tree(model: Any, cache: DynamicCache, tree: TokenTree, prefix_len: i
 def _tree_rows(cache: DynamicCache, tree: TokenTree, encoded: tuple[torch.Tensor, list], suffixes: list[list[int]],
                width: int) -> torch.Tensor:
     """Each row's own keys and values gathered from its path through the tree, right-aligned in `width` (pads
-    left, masked), after the shared prefix; returns the logits of each row's last token ([B, 1, V])."""
+    left, masked), after the shared prefix; returns the logits of each row's last token ([B, 1, V]), which
+    `_encode_tree` computed."""
     logits, nodes = encoded
     pad = len(tree.tokens) - 1  # index of a zero slot after the nodes
     index = torch.full((len(suffixes), width), pad, dtype=torch.long)
@@ -264,7 +267,7 @@ def _tree_rows(cache: DynamicCache, tree: TokenTree, encoded: tuple[torch.Tensor
         keys = torch.cat([keys, keys.new_zeros(keys[..., :1, :].shape)], dim=-2)[0]  # [heads, N + 1, dim]
         values = torch.cat([values, values.new_zeros(values[..., :1, :].shape)], dim=-2)[0]
         layer.append(keys[:, index].transpose(0, 1), values[:, index].transpose(0, 1))  # [B, heads, width, dim]
-    return logits[index[:, -1]][:, None, :]
+    return logits[:, None, :]
 
 
 def encode_prefix(model: Any, prefix_ids: list[int], cache: DynamicCache, prefix_cache: PrefixCache | None) -> None:

@@ -399,11 +399,13 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              keep: int | None = None, tree: torch.Tensor | None = None,
-             twins: torch.Tensor | None = None) -> torch.Tensor:
+             twins: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """`tree` ([W, W] bool, batch 1, no `mask`): which of the W new tokens each new one sees (a token tree:
-        itself and its ancestors), instead of all earlier ones; every cached position stays visible."""
+        itself and its ancestors), instead of all earlier ones; every cached position stays visible. `at`
+        ([n] long, with a tree): the new positions whose logits to return ([B, n, V]), instead of the last
+        `keep`."""
         batch, width = ids.shape
-        if native_step is not None and tree is None:
+        if native_step is not None and tree is None and at is None:
             logits = native_step(ids, mask, positions, keep, twins)
             if logits is not None:
                 return logits
@@ -439,7 +441,9 @@ def lean_step(model: Any, cache: Any, native_enabled: bool = True) -> Step:
             h = _rms_norm(x, post_w, post_eps)
             gate, up = gate_up(h).split(mlp_size, dim=-1)
             x = x + down_proj(F.silu(gate) * up)
-        if keep is not None and keep < width:
+        if at is not None:
+            x = x[:, at]
+        elif keep is not None and keep < width:
             x = x[:, -keep:]
         x = _rms_norm(x, norm_w, norm_eps)
         return lm_head(x)
