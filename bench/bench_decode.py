@@ -130,6 +130,13 @@ def decode_rate(model: Any, run: Callable[[int], Any], batch: int, new_tokens: i
     return batch * (new_tokens - 1) / best
 
 
+def distinct_rows(ids: list[int], batch: int) -> list[Row]:
+    """`batch` rows of the prompt whose last token differs, so that they are different sequences: identical rows
+    are twins, which the native step computes once (`decoding.generate`), and would not measure a batch."""
+    ends = [ids[-1], *[t for t in range(28, 28 + batch) if t != ids[-1]]][:batch]
+    return [Row(ids[:-1] + [end]) for end in ends]
+
+
 def loop_rates(policies: dict[str, Any], ids: list[int], new_tokens: int, repeats: int, batch: int = 1
                ) -> dict[str, float]:
     """Batch-1 decode tokens/s of our loop for each policy, interleaved (A, B, C, A, B, C, ...) so that load from
@@ -144,7 +151,7 @@ def loop_rates(policies: dict[str, Any], ids: list[int], new_tokens: int, repeat
             native.use(not name.endswith(":torch"))
             try:
                 timings = Timings()
-                generate(policy.model, policy.tokenizer, [Row(ids)] * batch, new_tokens, eos_ids=set(),
+                generate(policy.model, policy.tokenizer, distinct_rows(ids, batch), new_tokens, eos_ids=set(),
                          pad_id=policy.pad_id, timings=timings)
             finally:
                 native.use(True)
@@ -155,7 +162,7 @@ def loop_rates(policies: dict[str, Any], ids: list[int], new_tokens: int, repeat
 
 
 def our_loop(policy: Any, ids: list[int], batch: int) -> Callable[[int], Any]:
-    rows = [Row(ids)] * batch
+    rows = distinct_rows(ids, batch)
     return lambda n: generate(policy.model, policy.tokenizer, rows, n, eos_ids=set(), pad_id=policy.pad_id)
 
 
@@ -225,8 +232,8 @@ def main() -> None:
         "ours_batch1_int8_tok_s": batch1["int8"],
         "ours_batch1_fp16_torch_step_tok_s": batch1["fp16:torch"],
         "native_decode": native.status(),
-        # batch 4 of one prompt (K candidates): our loop's own decode phase (a forward hook would turn the
-        # lean and native steps off)
+        # batch 4 of one prompt (K candidates, four different sequences: their last prompt token differs): our
+        # loop's own decode phase (a forward hook would turn the lean and native steps off)
         **{f"ours_batch4{'' if name == 'fp32' else '_' + name.replace(':torch', '_torch_step')}_tok_s": rate
            for name, rate in loop_rates({"fp32": policy, "fp16": quantized["fp16"], "fp16:torch": quantized["fp16"]},
                                         ids, new_tokens, repeats, batch=4).items()},

@@ -92,6 +92,13 @@ class _GrowingLayer(DynamicLayer):
             self.values = self.shared_values.expand(own_v.shape[0], -1, -1, -1)  # type: ignore[union-attr]
         return own_k, own_v
 
+    def wrote(self, end: int) -> None:
+        """The native step wrote this layer's new keys and values into the buffers itself, up to `end` (the
+        buffers hold that many positions): the bookkeeping `append` would have done."""
+        self._len = end
+        if self.shared_keys is None:
+            self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]  # type: ignore[index]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         own_k, own_v = self.append(key_states, value_states)
         if self.shared_keys is None or self.shared_values is None:

@@ -486,6 +486,45 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
               for layer, (qkv, o, gate_up, down), cache_layer in zip(inner.layers, weights.layers, cache.layers)]
     norm_w, norm_eps = inner.norm.weight.detach(), float(inner.norm.variance_epsilon)
     scratch_size = max(hidden + (heads + 2 * kv) * dim, hidden + 2 * mlp)
+    caches = [entry[8] for entry in layers]
+    weight_ptrs = [[t.data_ptr() for t in (in_w, qkv, o, post_w, gate_up, down)]
+                   for in_w, _, qkv, o, post_w, _, gate_up, down, _ in layers]
+    layer_eps = torch.tensor([[entry[1], entry[5]] for entry in layers], dtype=torch.float32)
+
+    def all_layers(batch: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                   scratch_tensors: tuple[torch.Tensor, ...]) -> bool:
+        """A decode step with every row live through all layers in one C call (`envace_decode_layers`), keys
+        and values written into the cache's buffers in place. False (nothing done) where a buffer must grow
+        first or the layers' buffers differ in shape: the per-layer calls below then run, appending."""
+        first = caches[0]
+        pos, buffer = first._len, first._k
+        if buffer is None or buffer.shape[0] != batch or pos + 1 > buffer.shape[-2]:
+            return False
+        shape, shared_len = buffer.shape, first.shared_len
+        ptrs, shared = [], []
+        for weights_of, layer in zip(weight_ptrs, caches):
+            k_buf, v_buf = layer._k, layer._v
+            if k_buf is None or v_buf is None or layer._len != pos or k_buf.shape != shape or v_buf.shape != shape \
+                    or layer.shared_len != shared_len:
+                return False
+            ptrs += weights_of + [k_buf.data_ptr(), v_buf.data_ptr()]
+            if shared_len:
+                shared += [layer.shared_keys.data_ptr(), layer.shared_values.data_ptr()]  # type: ignore[union-attr]
+        shared_hs = first.shared_keys.stride(1) if shared_len else 0  # type: ignore[union-attr]
+        if shared_len and any(layer.shared_keys.stride(1) != shared_hs for layer in caches):  # type: ignore[union-attr]
+            return False
+        ptr_table = torch.tensor(ptrs, dtype=torch.int64)
+        shared_table = torch.tensor(shared or [0], dtype=torch.int64)
+        own_mask = None if mask is None else mask[:, shared_len:].to(torch.uint8).contiguous()
+        q, k, v, a, scratch = scratch_tensors
+        lib.envace_decode_layers(len(caches), batch, hidden, heads, kv, dim, mlp, x.data_ptr(), cos.data_ptr(),
+                                 sin.data_ptr(), ptr_table.data_ptr(), layer_eps.data_ptr(), shared_table.data_ptr(),
+                                 shared_hs, shared_len, buffer.stride(0), buffer.stride(1), pos,
+                                 None if own_mask is None else own_mask.data_ptr(), scaling, q.data_ptr(),
+                                 k.data_ptr(), v.data_ptr(), a.data_ptr(), scratch.data_ptr())
+        for layer in caches:
+            layer.wrote(pos + 1)
+        return True
 
     def step(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              keep: int | None = None, twins: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -523,7 +562,8 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
             row_of, limit = (real // width).to(torch.int32), None
             offset = (real % width).to(torch.int32)  # a token sees its row's own keys up to itself
         own_mask = None
-        for in_w, in_eps, qkv, o, post_w, post_eps, gate_up, down, cache_layer in layers:
+        done = real is None and all_layers(batch, x, cos, sin, mask, (q, k, v, a, scratch))
+        for in_w, in_eps, qkv, o, post_w, post_eps, gate_up, down, cache_layer in [] if done else layers:
             lib.envace_pre_attention(count, hidden, heads, kv, dim, x.data_ptr(), in_w.data_ptr(), in_eps,
                                      qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                                      v.data_ptr(), scratch.data_ptr())

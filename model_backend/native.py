@@ -58,8 +58,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.envace_post_attention.argtypes = [i, i, i, p, p, p, p, f, p, p, p]
     lib.envace_head.argtypes = [i, i, i, p, p, f, p, p, p]
     lib.envace_gemm.argtypes = [i, i, i, p, p, p]
+    lib.envace_decode_layers.argtypes = [i, i, i, i, i, i, i, p, p, p, p, p, p, L, i, L, L, i, p, f, p, p, p, p, p]
     for fn in (lib.envace_pre_attention, lib.envace_attention, lib.envace_post_attention, lib.envace_head,
-               lib.envace_gemm):
+               lib.envace_gemm, lib.envace_decode_layers):
         fn.restype = None
 
 

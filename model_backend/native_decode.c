@@ -56,6 +56,7 @@ static inline float dot_one(const uint16_t *w, const float *x, int K) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int k = 0;
     for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k) + 1024, _MM_HINT_T0);
         a0 = _mm256_fmadd_ps(load_f16(w + k), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(load_f16(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
         a2 = _mm256_fmadd_ps(load_f16(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
@@ -100,6 +101,7 @@ static void gemm(int M, int N, int K, const float *X, const uint16_t *W, float *
  * block read from memory once for all M rows (the next rows re-read it from L1). More rows: the packed
  * product (`gemm`). */
 static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
+    if (M <= 0) return;
     if (M > GEMV_MAX_ROWS && N % 16 == 0) {
         gemm(M, N, K, x, W, y, accumulate);
         return;
@@ -274,11 +276,144 @@ static inline __attribute__((always_inline)) void attend_part_dim(
     }
 }
 
+/* Scores of `gc` (1-3, a constant where inlined) query vectors against four keys: twelve sums in registers, so
+ * that each key vector loaded serves every query (one query at a time re-read each key from L1 per query). */
+static inline __attribute__((always_inline)) void scores_4keys(const float *q, const int gc, const float *k0,
+                                                               long stride, float scale, __m128 hidden, float *out,
+                                                               long out_stride, __m128 *vmax) {
+    __m256 acc[3][4];
+    for (int g = 0; g < gc; g++) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
+    for (int d = 0; d < 64; d += 8) {
+        __m256 ka = _mm256_loadu_ps(k0 + d), kb = _mm256_loadu_ps(k0 + stride + d);
+        __m256 kc = _mm256_loadu_ps(k0 + 2 * stride + d), kd = _mm256_loadu_ps(k0 + 3 * stride + d);
+        for (int g = 0; g < gc; g++) {
+            __m256 qv = _mm256_loadu_ps(q + g * 64 + d);
+            acc[g][0] = _mm256_fmadd_ps(qv, ka, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(qv, kb, acc[g][1]);
+            acc[g][2] = _mm256_fmadd_ps(qv, kc, acc[g][2]);
+            acc[g][3] = _mm256_fmadd_ps(qv, kd, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < gc; g++) {
+        __m128 sc = _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale));
+        sc = _mm_blendv_ps(sc, _mm_set1_ps(-INFINITY), hidden);
+        _mm_storeu_ps(out + g * out_stride, sc);
+        vmax[g] = _mm_max_ps(vmax[g], sc);
+    }
+}
+
+/* The exp-weighted sums of values for `gc` (1-3) query vectors, half of the 64 dims (d0) at a time: each value
+ * vector loaded serves every query. p: the queries' weights, row stride n. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, long n, const int gc,
+                                                               const float *values, long stride, int d0, float *acc) {
+    __m256 o[3][4];
+    for (int g = 0; g < gc; g++) o[g][0] = o[g][1] = o[g][2] = o[g][3] = _mm256_setzero_ps();
+    for (long t = 0; t < n; t++) {
+        const float *vt = values + t * stride + d0;
+        __m256 va = _mm256_loadu_ps(vt), vb = _mm256_loadu_ps(vt + 8);
+        __m256 vc = _mm256_loadu_ps(vt + 16), vd = _mm256_loadu_ps(vt + 24);
+        for (int g = 0; g < gc; g++) {
+            __m256 pv = _mm256_broadcast_ss(p + g * n + t);
+            o[g][0] = _mm256_fmadd_ps(pv, va, o[g][0]);
+            o[g][1] = _mm256_fmadd_ps(pv, vb, o[g][1]);
+            o[g][2] = _mm256_fmadd_ps(pv, vc, o[g][2]);
+            o[g][3] = _mm256_fmadd_ps(pv, vd, o[g][3]);
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * 64 + d0 + 8 * j, o[g][j]);
+}
+
+/* `attend_part_dim` for dim 64 (SmolLM2's and most small Llamas'), with the query vectors three at a time:
+ * keys four at a time against all three (`scores_4keys`) and values, half the dims at a time, weighed for all
+ * three (`weigh_values`). At one row of 1,047 keys the scores and weighted values are where the attention's
+ * time went, each key re-read from L1 once per query. */
+static void attend_part_64(const float *q, int groups, const float *keys, const float *values, long stride,
+                           const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc,
+                           float *scores) {
+    int n = t1 - t0, t = 0;
+    for (int g0 = 0; g0 < groups; g0 += 3) {
+        int gc = groups - g0 < 3 ? groups - g0 : 3;
+        __m128 vmax[3] = {_mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY)};
+        for (t = 0; t + 4 <= n; t += 4) {
+            __m128 hidden = _mm_setzero_ps();
+            if (mask) {
+                __m128i bytes = _mm_cvtsi32_si128(*(const int *)(mask + t0 + t));
+                hidden = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_cvtepu8_epi32(bytes), _mm_setzero_si128()));
+            }
+            const float *k0 = keys + (long)(t0 + t) * stride;
+            const float *qg = q + g0 * 64;
+            float *out = scores + (long)g0 * n + t;
+            switch (gc) {
+                case 1: scores_4keys(qg, 1, k0, stride, scale, hidden, out, n, vmax); break;
+                case 2: scores_4keys(qg, 2, k0, stride, scale, hidden, out, n, vmax); break;
+                default: scores_4keys(qg, 3, k0, stride, scale, hidden, out, n, vmax); break;
+            }
+        }
+        for (int g = 0; g < gc; g++) {
+            float lanes[4];
+            _mm_storeu_ps(lanes, vmax[g]);
+            float m = -INFINITY;
+            for (int i = 0; i < 4; i++) if (lanes[i] > m) m = lanes[i];
+            max[g0 + g] = m;
+        }
+    }
+    for (int g = 0; g < groups; g++) { /* the last n % 4 keys */
+        for (int u = t; u < n; u++) {
+            float sc = -INFINITY;
+            if (!mask || mask[t0 + u]) {
+                const float *ku = keys + (long)(t0 + u) * stride;
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < 64; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * 64 + d), _mm256_loadu_ps(ku + d), a);
+                sc = hsum(a) * scale;
+            }
+            scores[(long)g * n + u] = sc;
+            if (sc > max[g]) max[g] = sc;
+        }
+        if (n == 0) max[g] = -INFINITY;
+    }
+    for (int g = 0; g < groups; g++) {
+        float *sg = scores + (long)g * n;
+        if (max[g] == -INFINITY) { /* nothing visible: weights 0 */
+            sum[g] = 0.f;
+            for (int u = 0; u < n; u++) sg[u] = 0.f;
+            continue;
+        }
+        __m256 m = _mm256_set1_ps(max[g]), total = _mm256_setzero_ps();
+        int u = 0;
+        for (; u + 8 <= n; u += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + u), m));
+            _mm256_storeu_ps(sg + u, p);
+            total = _mm256_add_ps(total, p);
+        }
+        float rest = 0.f;
+        for (; u < n; u++) {
+            float p = sg[u] == -INFINITY ? 0.f : expf(sg[u] - max[g]);
+            sg[u] = p;
+            rest += p;
+        }
+        sum[g] = hsum(total) + rest;
+    }
+    const float *v0 = values + (long)t0 * stride;
+    for (int g0 = 0; g0 < groups; g0 += 3) {
+        int gc = groups - g0 < 3 ? groups - g0 : 3;
+        for (int d0 = 0; d0 < 64; d0 += 32) {
+            const float *p = scores + (long)g0 * n;
+            float *a = acc + g0 * 64;
+            switch (gc) {
+                case 1: weigh_values(p, n, 1, v0, stride, d0, a); break;
+                case 2: weigh_values(p, n, 2, v0, stride, d0, a); break;
+                default: weigh_values(p, n, 3, v0, stride, d0, a); break;
+            }
+        }
+    }
+}
+
 static void attend_part(const float *q, int groups, int dim, const float *keys, const float *values, long stride,
                         const uint8_t *mask, int t0, int t1, float scale, float *max, float *sum, float *acc,
                         float *scores) {
     if (dim == 64)
-        attend_part_dim(q, groups, 64, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
+        attend_part_64(q, groups, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
     else
         attend_part_dim(q, groups, dim, keys, values, stride, mask, t0, t1, scale, max, sum, acc, scores);
 }
@@ -399,6 +534,36 @@ void envace_post_attention(int B, int hidden, int mlp, float *x, const float *a,
         }
     }
     gemv(down, gu, x, B, hidden, mlp, 1);
+}
+
+/* A decode step of B rows (one new token each, every row live) through all L layers in one call, keys and
+ * values written into the cache's buffers: per layer, ptrs[l] = {input norm, qkv, o_proj, post norm, gate_up,
+ * down, key buffer, value buffer} ([B, kv, capacity, dim] buffers, batch stride own_bs, head stride own_hs,
+ * the new token at own index `pos`), eps[l] = {input eps, post eps}, shared[l] = {prefix keys, values} or
+ * {0, 0} (P = 0), own_mask [B, pos + 1] (1 = visible) or NULL. The same arithmetic as the three calls a layer; at batch 1 the Python between those calls
+ * (90 calls, 30 cache appends a token) cost about a millisecond a token. q, k, v, a, scratch as there. */
+void envace_decode_layers(int L, int B, int hidden, int heads, int kv, int dim, int mlp, float *x,
+                          const float *cos, const float *sin, const int64_t *ptrs, const float *eps,
+                          const int64_t *shared, long shared_hs, int P, long own_bs, long own_hs, int pos,
+                          const uint8_t *own_mask, float scale, float *q, float *k, float *v, float *a,
+                          float *scratch) {
+    for (int l = 0; l < L; l++) {
+        const int64_t *w = ptrs + 8L * l;
+        float *k_buf = (float *)w[6], *v_buf = (float *)w[7];
+        envace_pre_attention(B, hidden, heads, kv, dim, x, (const float *)w[0], eps[2 * l], (const uint16_t *)w[1],
+                             cos, sin, q, k, v, scratch);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < kv; h++) {
+                long at = b * own_bs + h * own_hs + (long)pos * dim;
+                memcpy(k_buf + at, k + ((long)b * kv + h) * dim, sizeof(float) * dim);
+                memcpy(v_buf + at, v + ((long)b * kv + h) * dim, sizeof(float) * dim);
+            }
+        envace_attention(B, kv, heads / kv, dim, q, P ? (const float *)shared[2 * l] : NULL,
+                         P ? (const float *)shared[2 * l + 1] : NULL, shared_hs, P, k_buf, v_buf, own_bs, own_hs,
+                         pos + 1, own_mask, NULL, NULL, scale, a);
+        envace_post_attention(B, hidden, mlp, x, a, (const uint16_t *)w[2], (const float *)w[3], eps[2 * l + 1],
+                              (const uint16_t *)w[4], (const uint16_t *)w[5], scratch);
+    }
 }
 
 /* The head: logits = rms_norm(x) @ head^T. scratch: B * hidden floats. */

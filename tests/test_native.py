@@ -20,11 +20,11 @@ def torch_lean(model: Any, cache: Any) -> Any:
     return fast_step.lean_step(model, cache, native_enabled=False)
 
 
-def tiny_fp16_model(seed: int = 0) -> Any:
+def tiny_fp16_model(seed: int = 0, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+    config = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, attn_implementation="sdpa",
                          max_position_embeddings=2048)
     torch.manual_seed(seed)
     return quantize_linears(LlamaForCausalLM(config).eval(), "fp16")
@@ -36,8 +36,11 @@ def built() -> None:
         pytest.fail(f"the native step should build on this machine: {native.status()}")
 
 
-def test_native_step_is_the_torch_steps_function_on_a_small_model(built: None) -> None:
-    model = tiny_fp16_model()
+@pytest.mark.parametrize(("hidden", "heads", "kv_heads"), [(32, 4, 2), (192, 3, 1), (256, 4, 2)])
+def test_native_step_is_the_torch_steps_function_on_a_small_model(built: None, hidden: int, heads: int,
+                                                                   kv_heads: int) -> None:
+    """Head dims 8 and 64 (the kernel of 64, SmolLM2's, with three and two query heads a key/value head)."""
+    model = tiny_fp16_model(hidden=hidden, heads=heads, kv_heads=kv_heads)
     assert fast_step.native_supported(model)
     generator = torch.Generator().manual_seed(1)
     prefix = torch.randint(3, 96, (700,), generator=generator).tolist()
@@ -74,10 +77,11 @@ def chunked_logits(model: Any, seqs: list[list[int]], feeds: list[list[list[int]
     return out
 
 
-def test_native_step_computes_only_real_tokens_of_padded_chunks(built: None) -> None:
+@pytest.mark.parametrize("hidden", [32, 192])
+def test_native_step_computes_only_real_tokens_of_padded_chunks(built: None, hidden: int) -> None:
     """Rows feeding 1-5 tokens in one step (pads computed by nobody, masked), then single tokens: the torch
-    step's logits at every real position, over a shared prefix and without one."""
-    model = tiny_fp16_model(seed=3)
+    step's logits at every real position, over a shared prefix and without one (head dims 8 and 64)."""
+    model = tiny_fp16_model(seed=3, hidden=hidden, heads=4 if hidden == 32 else 3, kv_heads=2 if hidden == 32 else 1)
     generator = torch.Generator().manual_seed(4)
     prefix = torch.randint(3, 96, (300,), generator=generator).tolist()
     for seqs, feeds in (
@@ -108,15 +112,21 @@ def test_twin_rows_copy_their_twins_keys_and_logits(built: None, monkeypatch: py
     hints = [[0, 1, 0], [0, 1, 0], None, None]
     computed = []
     lib = native.library()
-    pre_attention = lib.envace_pre_attention
+    pre_attention, all_layers = lib.envace_pre_attention, lib.envace_decode_layers
 
     def counting(count: int, *rest: Any) -> Any:
         computed.append(count)
         return pre_attention(count, *rest)
 
+    def counting_all(layers: int, count: int, *rest: Any) -> Any:  # a decode step's layers in one call
+        computed.extend([count] * layers)
+        return all_layers(layers, count, *rest)
+
     monkeypatch.setattr(lib, "envace_pre_attention", counting)
+    monkeypatch.setattr(lib, "envace_decode_layers", counting_all)
     native_rows = chunked_logits(model, seqs, feeds, fast_step.lean_step, hints)
     monkeypatch.setattr(lib, "envace_pre_attention", pre_attention)
+    monkeypatch.setattr(lib, "envace_decode_layers", all_layers)
     torch_rows = chunked_logits(model, seqs, feeds, torch_lean)
     for n, t in zip(native_rows, torch_rows):
         assert (n - t).abs().max().item() < 1e-4
