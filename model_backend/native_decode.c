@@ -310,6 +310,8 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, l
     for (int g = 0; g < gc; g++) o[g][0] = o[g][1] = o[g][2] = o[g][3] = _mm256_setzero_ps();
     for (long t = 0; t < n; t++) {
         const float *vt = values + t * stride + d0;
+        if (d0 == 0) /* the whole value row 8 ahead (the second half's pass finds it cached) */
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(vt + 8 * stride + 16 * line), _MM_HINT_T0);
         __m256 va = _mm256_loadu_ps(vt), vb = _mm256_loadu_ps(vt + 8);
         __m256 vc = _mm256_loadu_ps(vt + 16), vd = _mm256_loadu_ps(vt + 24);
         for (int g = 0; g < gc; g++) {
@@ -342,6 +344,9 @@ static void attend_part_64(const float *q, int groups, const float *keys, const 
                 hidden = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_cvtepu8_epi32(bytes), _mm_setzero_si128()));
             }
             const float *k0 = keys + (long)(t0 + t) * stride;
+            for (int r = 0; r < 4; r++) /* keys 16 ahead: the parts stream from memory */
+                for (int line = 0; line < 4; line++)
+                    _mm_prefetch((const char *)(k0 + (16 + r) * stride + 16 * line), _MM_HINT_T0);
             const float *qg = q + g0 * 64;
             float *out = scores + (long)g0 * n + t;
             switch (gc) {
@@ -434,7 +439,7 @@ void envace_attention(int N, int kv, int groups, int dim, const float *q, const 
                       const float *shared_v, long shared_hs, int P, const float *own_k, const float *own_v,
                       long own_bs, long own_hs, int S, const uint8_t *own_mask, const int *row_of, const int *limit,
                       float scale, float *out) {
-    int shared_parts = 0, own_parts = (S + 255) / 256;
+    int shared_parts = 0, own_parts = (S + 127) / 128;
     if (P > 0) {
         shared_parts = (P + 255) / 256;
         int want = (16 + kv - 1) / kv;
