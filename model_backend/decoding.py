@@ -97,7 +97,7 @@ class _GrowingLayer(DynamicLayer):
         buffers hold that many positions): the bookkeeping `append` would have done."""
         self._len = end
         if self.shared_keys is None:
-            self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]  # type: ignore[index]
+            self.keys, self.values = self._k.narrow(2, 0, end), self._v.narrow(2, 0, end)  # type: ignore[union-attr]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         own_k, own_v = self.append(key_states, value_states)

@@ -490,6 +490,8 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     weight_ptrs = [[t.data_ptr() for t in (in_w, qkv, o, post_w, gate_up, down)]
                    for in_w, _, qkv, o, post_w, _, gate_up, down, _ in layers]
     layer_eps = torch.tensor([[entry[1], entry[5]] for entry in layers], dtype=torch.float32)
+    held: list[Any] = []  # the cache tensors `tables` point into, while they stay the same tensors
+    tables: list[Any] = []
 
     def all_layers(batch: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                    scratch_tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -500,21 +502,25 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
         pos, buffer = first._len, first._k
         if buffer is None or buffer.shape[0] != batch or pos + 1 > buffer.shape[-2]:
             return False
-        shape, shared_len = buffer.shape, first.shared_len
-        ptrs, shared = [], []
-        for weights_of, layer in zip(weight_ptrs, caches):
-            k_buf, v_buf = layer._k, layer._v
-            if k_buf is None or v_buf is None or layer._len != pos or k_buf.shape != shape or v_buf.shape != shape \
-                    or layer.shared_len != shared_len:
+        shared_len = first.shared_len
+        buffers = [t for layer in caches for t in (layer._k, layer._v, layer.shared_keys, layer.shared_values)]
+        if len(held) != len(buffers) or any(a is not b for a, b in zip(held, buffers)):  # new buffers: check them
+            shape = buffer.shape
+            if any(layer._k is None or layer._v is None or layer._k.shape != shape or layer._v.shape != shape
+                   or layer.shared_len != shared_len for layer in caches):
                 return False
-            ptrs += weights_of + [k_buf.data_ptr(), v_buf.data_ptr()]
-            if shared_len:
-                shared += [layer.shared_keys.data_ptr(), layer.shared_values.data_ptr()]  # type: ignore[union-attr]
-        shared_hs = first.shared_keys.stride(1) if shared_len else 0  # type: ignore[union-attr]
-        if shared_len and any(layer.shared_keys.stride(1) != shared_hs for layer in caches):  # type: ignore[union-attr]
+            shared_hs = first.shared_keys.stride(1) if shared_len else 0  # type: ignore[union-attr]
+            if shared_len and any(layer.shared_keys.stride(1) != shared_hs for layer in caches):  # type: ignore[union-attr]
+                return False
+            ptrs = [p for w, layer in zip(weight_ptrs, caches) for p in (*w, layer._k.data_ptr(), layer._v.data_ptr())]
+            shared = [p for layer in caches if shared_len
+                      for p in (layer.shared_keys.data_ptr(), layer.shared_values.data_ptr())]  # type: ignore[union-attr]
+            tables[:] = [torch.tensor(ptrs, dtype=torch.int64), torch.tensor(shared or [0], dtype=torch.int64),
+                         shared_hs]
+            held[:] = buffers
+        if any(layer._len != pos for layer in caches):
             return False
-        ptr_table = torch.tensor(ptrs, dtype=torch.int64)
-        shared_table = torch.tensor(shared or [0], dtype=torch.int64)
+        ptr_table, shared_table, shared_hs = tables
         own_mask = None if mask is None else mask[:, shared_len:].to(torch.uint8).contiguous()
         q, k, v, a, scratch = scratch_tensors
         lib.envace_decode_layers(len(caches), batch, hidden, heads, kv, dim, mlp, x.data_ptr(), cos.data_ptr(),
