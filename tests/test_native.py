@@ -136,6 +136,31 @@ def test_twin_rows_copy_their_twins_keys_and_logits(built: None, monkeypatch: py
     assert computed == [4] * layers + [2] * layers + [4] * layers + [3] * layers
 
 
+def test_the_cache_after_native_decode_steps_is_the_torch_steps(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps through `envace_decode_layers` write keys and values into the cache's buffers themselves:
+    the cache then holds what the torch step's appends hold (its `keys`/`values` views included)."""
+    model = tiny_fp16_model(hidden=192, heads=3, kv_heads=1)
+    ids = list(range(3, 40))
+    lib = native.library()
+    all_layers, calls = lib.envace_decode_layers, []
+    monkeypatch.setattr(lib, "envace_decode_layers", lambda *a: calls.append(a[1]) or all_layers(*a))
+    caches = []
+    for maker in (fast_step.lean_step, torch_lean):
+        with torch.inference_mode():
+            pre = decoding.prefill(model, [ids], [1], keep=1, pad_id=2)
+            step, positions = maker(model, pre.cache), pre.next_positions
+            for token in (5, 6, 7):
+                step(torch.tensor([[token]]), None, positions[:, None])
+                positions = positions + 1
+        caches.append(pre.cache)
+    assert calls == [1, 1, 1]
+    for native_layer, torch_layer in zip(caches[0].layers, caches[1].layers):
+        assert native_layer.get_seq_length() == torch_layer.get_seq_length() == len(ids) + 3
+        assert native_layer.keys.shape == torch_layer.keys.shape
+        assert (native_layer.keys - torch_layer.keys).abs().max().item() < 1e-4
+        assert (native_layer.values - torch_layer.values).abs().max().item() < 1e-4
+
+
 def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past NATIVE_STEP_MAX_TOKENS real tokens (a prefill) the native step declines: torch runs the step."""
     model = tiny_fp16_model()
