@@ -189,6 +189,25 @@ void envace_pre_attention(int B, int hidden, int heads, int kv, int dim, const f
     }
 }
 
+/* Softmax weights of one query's scores in place: sg[t] = exp(sg[t] - max) (0 for a masked key, -inf);
+ * returns their sum. */
+static inline float exp_weights(float *sg, int n, float max) {
+    __m256 m = _mm256_set1_ps(max), total = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+        _mm256_storeu_ps(sg + t, p);
+        total = _mm256_add_ps(total, p);
+    }
+    float rest = 0.f;
+    for (; t < n; t++) {
+        float p = sg[t] == -INFINITY ? 0.f : expf(sg[t] - max);
+        sg[t] = p;
+        rest += p;
+    }
+    return hsum(total) + rest;
+}
+
 /* Part of one query group's attention over keys [t0, t1) of one sequence of keys: its max score, the sum of
  * exp(score - max) and the exp-weighted sum of values, per query of the group. Masked keys (mask[t] == 0)
  * are skipped; a part with no visible key gets max = -inf. Inlined with dim a constant where it is 64, so
@@ -249,20 +268,7 @@ static inline __attribute__((always_inline)) void attend_part_dim(
     for (int g = 0; g < groups; g++) {
         if (max[g] == -INFINITY) continue;
         float *sg = scores + g * n;
-        __m256 m = _mm256_set1_ps(max[g]), total = _mm256_setzero_ps();
-        t = 0;
-        for (; t + 8 <= n; t += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
-            _mm256_storeu_ps(sg + t, p);
-            total = _mm256_add_ps(total, p);
-        }
-        float rest = 0.f;
-        for (; t < n; t++) {
-            float p = sg[t] == -INFINITY ? 0.f : expf(sg[t] - max[g]);
-            sg[t] = p;
-            rest += p;
-        }
-        sum[g] = hsum(total) + rest;
+        sum[g] = exp_weights(sg, n, max[g]);
         /* the weighted values: this query's sums in registers (dim / 8 of them), one broadcast weight a key */
         __m256 o[16];
         for (int d = 0; d < dim; d += 8) o[d / 8] = _mm256_setzero_ps();
@@ -384,20 +390,7 @@ static void attend_part_64(const float *q, int groups, const float *keys, const 
             for (int u = 0; u < n; u++) sg[u] = 0.f;
             continue;
         }
-        __m256 m = _mm256_set1_ps(max[g]), total = _mm256_setzero_ps();
-        int u = 0;
-        for (; u + 8 <= n; u += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + u), m));
-            _mm256_storeu_ps(sg + u, p);
-            total = _mm256_add_ps(total, p);
-        }
-        float rest = 0.f;
-        for (; u < n; u++) {
-            float p = sg[u] == -INFINITY ? 0.f : expf(sg[u] - max[g]);
-            sg[u] = p;
-            rest += p;
-        }
-        sum[g] = hsum(total) + rest;
+        sum[g] = exp_weights(sg, n, max[g]);
     }
     const float *v0 = values + (long)t0 * stride;
     for (int g0 = 0; g0 < groups; g0 += 3) {
