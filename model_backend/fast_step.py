@@ -19,11 +19,12 @@ Its logits match `model(...)`'s to float rounding, not bitwise (the fused produc
 order); tests check the difference is tiny and that greedy text is the forward's.
 
 For an fp16 model, steps of at most `NATIVE_STEP_MAX_TOKENS` real tokens go further: `_native_step` runs
-each layer as three calls into `native_decode.c` (see `native.py`), computing only the real tokens of a padded
-batch (and one of each set of twin rows, `Step`), with a second copy of the weights in fp16 (`NativeWeights`,
-built once per set of weights). Bigger steps (prefills, token trees, scoring passes) multiply by the same copy
-in C (`native_matmul`), in this step and in transformers' forward (`NativeLinear`). Where the library cannot be built, or
-`ENVACE_NATIVE=0`, the torch ops above run instead.
+each layer as three calls into `native_decode.c` (see `native.py`), or a decode step's layers all in one,
+computing only the real tokens of a padded batch (and one of each set of twin rows, `Step`), with a second
+copy of the weights in fp16 (`NativeWeights`, built once per set of weights). Bigger steps (prefills, token
+trees, scoring passes) multiply by the same copy in C (`native_matmul`), in this step and in transformers'
+forward (`NativeLinear`). Where the library cannot be built, or `ENVACE_NATIVE=0`, the torch ops above run
+instead.
 
 `decode_step(model, cache)` returns such a step when the model and cache fit (a plain or merged
 `LlamaForCausalLM` with SDPA attention, SiLU, a growing cache; its linear layers fp32 or quantized by
@@ -466,8 +467,10 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     batch's pads (rows feeding fewer tokens than the widest, as jump-forward's do, and finished rows, whose new
     token `decoding.generate` masks) cost nothing, and their
     keys and values go into the cache as zeros, masked like any pad's. Keys and values go into the cache
-    through `append`, so the cache's bookkeeping is the torch step's. Returns None for a step it leaves to
-    torch (more than `NATIVE_STEP_MAX_TOKENS` tokens to compute)."""
+    through `append`, so the cache's bookkeeping is the torch step's, except in a decode step with every row
+    live, whose layers run in one C call that writes them into the cache's buffers (`all_layers`; then
+    `_GrowingLayer.wrote`). Returns None for a step it leaves to torch (more than `NATIVE_STEP_MAX_TOKENS`
+    tokens to compute)."""
     from . import native
 
     lib = native.library()
@@ -509,12 +512,12 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
             if any(layer._k is None or layer._v is None or layer._k.shape != shape or layer._v.shape != shape
                    or layer.shared_len != shared_len for layer in caches):
                 return False
-            shared_hs = first.shared_keys.stride(1) if shared_len else 0  # type: ignore[union-attr]
-            if shared_len and any(layer.shared_keys.stride(1) != shared_hs for layer in caches):  # type: ignore[union-attr]
+            prefixes = [(layer.shared_keys, layer.shared_values) for layer in caches] if shared_len else []
+            shared_hs = prefixes[0][0].stride(1) if prefixes else 0  # type: ignore[union-attr]
+            if any(pk.stride(1) != shared_hs for pk, _ in prefixes):  # type: ignore[union-attr]
                 return False
             ptrs = [p for w, layer in zip(weight_ptrs, caches) for p in (*w, layer._k.data_ptr(), layer._v.data_ptr())]
-            shared = [p for layer in caches if shared_len
-                      for p in (layer.shared_keys.data_ptr(), layer.shared_values.data_ptr())]  # type: ignore[union-attr]
+            shared = [t.data_ptr() for pair in prefixes for t in pair]  # type: ignore[union-attr]
             tables[:] = [torch.tensor(ptrs, dtype=torch.int64), torch.tensor(shared or [0], dtype=torch.int64),
                          shared_hs]
             held[:] = buffers
