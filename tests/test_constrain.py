@@ -257,9 +257,9 @@ def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatc
     def counting(model: Any, cache: Any) -> Any:
         step = real_step(model, cache)
 
-        def counted(*args: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
             steps["n"] += 1
-            return step(*args)
+            return step(*args, **kwargs)
 
         return counted
 
