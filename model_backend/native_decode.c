@@ -97,9 +97,9 @@ static void gemm(int M, int N, int K, const float *X, const uint16_t *W, float *
 #define GEMV_MAX_ROWS 32
 
 /* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. One row: a dot product per weight row,
- * bound by the weights' read. 2-16 rows: tiles of three weight rows by up to four rows of x, each weight
- * block read from memory once for all M rows (the next rows re-read it from L1). More rows: the packed
- * product (`gemm`). */
+ * bound by the weights' read. 2-32 rows (GEMV_MAX_ROWS): tiles of three weight rows by up to four rows of x,
+ * each weight block read from memory once for all M rows (the next rows re-read it from L1). More rows: the
+ * packed product (`gemm`). */
 static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
     if (M <= 0) return;
     if (M > GEMV_MAX_ROWS && N % 16 == 0) {
@@ -346,7 +346,9 @@ static void attend_part_64(const float *q, int groups, const float *keys, const 
         for (t = 0; t + 4 <= n; t += 4) {
             __m128 hidden = _mm_setzero_ps();
             if (mask) {
-                __m128i bytes = _mm_cvtsi32_si128(*(const int *)(mask + t0 + t));
+                int four;
+                memcpy(&four, mask + t0 + t, sizeof four); /* the four keys' mask bytes */
+                __m128i bytes = _mm_cvtsi32_si128(four);
                 hidden = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_cvtepu8_epi32(bytes), _mm_setzero_si128()));
             }
             const float *k0 = keys + (long)(t0 + t) * stride;
