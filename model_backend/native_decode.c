@@ -14,6 +14,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,17 +70,42 @@ static inline float dot_one(const uint16_t *w, const float *x, int K) {
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-/* A tile of dot products: `rows` (1-4, a constant where inlined) rows of x with three fp16 weight rows,
- * out[m * 3 + j] = sum_k w[j * K + k] * x[m * K + k]. Twelve sums in registers at four rows: each widened
- * weight vector serves every row and each x vector every weight row, so the FMAs, not the loads, bound it
- * (one weight row a time, re-reading x for each, ran at 60-80 GFLOPS of the CPU's ~208 at 4-16 rows). */
-static inline __attribute__((always_inline)) void dot_tile(const uint16_t *w, const float *x, int K, float *out,
-                                                           const int rows) {
+/* One row of x against four weight rows far apart (w + j * gap, j < 4): four streams from memory at once. One
+ * stream a core (a row after a row) read the weights at 21-25 GB/s of the two cores; four at 33-36, about what
+ * the memory gives (a microbenchmark of all 30 layers' post-attention products: 7.2 -> 5.1 ms; the head 2.0 ->
+ * 1.4 ms). Each sum is one chain of FMAs over k; the four chains hide each other's latency. */
+static inline void dot_four(const uint16_t *w, long gap, const float *x, int K, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const uint16_t *w1 = w + gap, *w2 = w + 2 * gap, *w3 = w + 3 * gap;
+    for (int k = 0; k < K; k += 16) {
+        if ((k & 31) == 0) { /* a cache line of each row, 512 bytes ahead */
+            _mm_prefetch((const char *)(w + k) + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + k) + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + k) + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w3 + k) + 512, _MM_HINT_T0);
+        }
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        a0 = _mm256_fmadd_ps(load_f16(w + k + 8), x1, _mm256_fmadd_ps(load_f16(w + k), x0, a0));
+        a1 = _mm256_fmadd_ps(load_f16(w1 + k + 8), x1, _mm256_fmadd_ps(load_f16(w1 + k), x0, a1));
+        a2 = _mm256_fmadd_ps(load_f16(w2 + k + 8), x1, _mm256_fmadd_ps(load_f16(w2 + k), x0, a2));
+        a3 = _mm256_fmadd_ps(load_f16(w3 + k + 8), x1, _mm256_fmadd_ps(load_f16(w3 + k), x0, a3));
+    }
+    _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));
+}
+
+/* A tile of dot products: `rows` (1-4, a constant where inlined) rows of x with three fp16 weight rows
+ * w + j * gap (j < 3), out[m * 3 + j] = sum_k w[j * gap + k] * x[m * K + k]. Twelve sums in registers at four
+ * rows: each widened weight vector serves every row and each x vector every weight row, so the FMAs, not the
+ * loads, bound it (one weight row a time, re-reading x for each, ran at 60-80 GFLOPS of the CPU's ~208 at 4-16
+ * rows). The three weight rows lie far apart (three streams from memory), each read 512 bytes ahead. */
+static inline __attribute__((always_inline)) void dot_tile(const uint16_t *w, long gap, const float *x, int K,
+                                                           float *out, const int rows) {
     __m256 acc[4][3];
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = acc[m][2] = _mm256_setzero_ps();
     for (int k = 0; k < K; k += 8) {
-        __m256 w0 = load_f16(w + k), w1 = load_f16(w + K + k), w2 = load_f16(w + 2L * K + k);
-        _mm_prefetch((const char *)(w + 3L * K) + k * 6, _MM_HINT_T0);
+        __m256 w0 = load_f16(w + k), w1 = load_f16(w + gap + k), w2 = load_f16(w + 2 * gap + k);
+        if ((k & 31) == 0)
+            for (int j = 0; j < 3; j++) _mm_prefetch((const char *)(w + j * gap + k) + 512, _MM_HINT_T0);
         for (int m = 0; m < rows; m++) {
             __m256 xv = _mm256_loadu_ps(x + (long)m * K + k);
             __asm__("" : "+x"(xv)); /* one load of x for the three FMAs, not one folded into each */
@@ -96,54 +122,70 @@ static void gemm(int M, int N, int K, const float *X, const uint16_t *W, float *
 
 #define GEMV_MAX_ROWS 32
 
-/* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. One row: a dot product per weight row,
- * bound by the weights' read. 2-32 rows (GEMV_MAX_ROWS): tiles of three weight rows by up to four rows of x,
- * each weight block read from memory once for all M rows (the next rows re-read it from L1). More rows: the
- * packed product (`gemm`). */
+/* y[m, n] (+)= sum_k x[m, k] * W[n, k], for m < M; K a multiple of 16. Each thread takes a contiguous range of
+ * weight rows and reads it as several streams at once (its quarters or thirds): one stream a thread reached
+ * 21-25 GB/s, several 30-36. One row of x: four weight rows a time (`dot_four`), bound by the weights' read.
+ * 2-32 rows (GEMV_MAX_ROWS): tiles of three weight rows by up to four rows of x (`dot_tile`), each weight
+ * block read from memory once for all M rows (the next rows re-read it from L1); 30 layers' post-attention
+ * products took 9.1 -> 6.6 ms at two rows, 9.4 -> 8.0 at four. More rows: the packed product (`gemm`). */
 static void gemv(const uint16_t *W, const float *x, float *y, int M, int N, int K, int accumulate) {
     if (M <= 0) return;
     if (M > GEMV_MAX_ROWS && N % 16 == 0) {
         gemm(M, N, K, x, W, y, accumulate);
         return;
     }
-    if (M == 1) {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            float out = dot_one(W + (long)n * K, x, K);
-            y[n] = accumulate ? y[n] + out : out;
+    if (M == 1) { /* each thread a contiguous range of weight rows, read as four streams (its quarters) */
+#pragma omp parallel
+        {
+            int threads = omp_get_num_threads(), t = omp_get_thread_num();
+            int n0 = (int)((long)N * t / threads), n1 = (int)((long)N * (t + 1) / threads), quarter = (n1 - n0) / 4;
+            for (int i = 0; i < quarter; i++) {
+                float out[4];
+                dot_four(W + (long)(n0 + i) * K, (long)quarter * K, x, K, out);
+                for (int j = 0; j < 4; j++) {
+                    float *o = y + n0 + j * quarter + i;
+                    *o = accumulate ? *o + out[j] : out[j];
+                }
+            }
+            for (int n = n0 + 4 * quarter; n < n1; n++) {
+                float out = dot_one(W + (long)n * K, x, K);
+                y[n] = accumulate ? y[n] + out : out;
+            }
         }
         return;
     }
     int chunks = (M + 3) / 4, base = M / chunks, extra = M % chunks; /* M rows in near-equal chunks of <= 4 */
-#pragma omp parallel for schedule(static)
-    for (int n0 = 0; n0 < N; n0 += 3) {
-        if (n0 + 3 > N) { /* the last one or two weight rows: one at a time */
-            for (int n = n0; n < N; n++)
-                for (int m = 0; m < M; m++) {
-                    float out = dot_one(W + (long)n * K, x + (long)m * K, K);
-                    float *o = y + (long)m * N + n;
-                    *o = accumulate ? *o + out : out;
+#pragma omp parallel
+    {
+        /* each thread a contiguous range of weight rows in thirds: tile i takes row i of each third */
+        int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        int n0 = (int)((long)N * t / threads), n1 = (int)((long)N * (t + 1) / threads), third = (n1 - n0) / 3;
+        for (int i = 0; i < third; i++) {
+            const uint16_t *w = W + (long)(n0 + i) * K;
+            for (int c = 0, m0 = 0; c < chunks; c++) {
+                int rows = base + (c < extra);
+                const float *xm = x + (long)m0 * K;
+                float out[12];
+                switch (rows) {
+                    case 1: dot_tile(w, (long)third * K, xm, K, out, 1); break;
+                    case 2: dot_tile(w, (long)third * K, xm, K, out, 2); break;
+                    case 3: dot_tile(w, (long)third * K, xm, K, out, 3); break;
+                    default: dot_tile(w, (long)third * K, xm, K, out, 4); break;
                 }
-            continue;
-        }
-        const uint16_t *w = W + (long)n0 * K;
-        for (int c = 0, m0 = 0; c < chunks; c++) {
-            int rows = base + (c < extra);
-            const float *xm = x + (long)m0 * K;
-            float out[12];
-            switch (rows) {
-                case 1: dot_tile(w, xm, K, out, 1); break;
-                case 2: dot_tile(w, xm, K, out, 2); break;
-                case 3: dot_tile(w, xm, K, out, 3); break;
-                default: dot_tile(w, xm, K, out, 4); break;
+                for (int m = 0; m < rows; m++)
+                    for (int j = 0; j < 3; j++) {
+                        float *o = y + (long)(m0 + m) * N + n0 + j * third + i;
+                        *o = accumulate ? *o + out[m * 3 + j] : out[m * 3 + j];
+                    }
+                m0 += rows;
             }
-            for (int m = 0; m < rows; m++)
-                for (int j = 0; j < 3; j++) {
-                    float *o = y + (long)(m0 + m) * N + n0 + j;
-                    *o = accumulate ? *o + out[m * 3 + j] : out[m * 3 + j];
-                }
-            m0 += rows;
         }
+        for (int n = n0 + 3 * third; n < n1; n++) /* the thread's last one or two weight rows: one at a time */
+            for (int m = 0; m < M; m++) {
+                float out = dot_one(W + (long)n * K, x + (long)m * K, K);
+                float *o = y + (long)m * N + n;
+                *o = accumulate ? *o + out : out;
+            }
     }
 }
 

@@ -197,6 +197,26 @@ def test_native_products_of_many_rows(built: None, rows: int, out: int, inner: i
     assert fast_step.native_matmul(h, weight[:8]) is None
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("out", [1, 2, 7, 13, 48, 101])
+def test_decode_sized_products_cover_every_weight_row(built: None, rows: int, out: int) -> None:
+    """The head's product (`envace_head`: rms norm, then `gemv` of a few rows) against fp64 on the widened
+    weights, with weight-row counts that split unevenly over the threads and over each thread's four streams
+    (one row of x) or three (tiles of 2-4 rows), so that every remainder path runs."""
+    import ctypes
+
+    hidden = 48
+    generator = torch.Generator().manual_seed(rows * 1000 + out)
+    x = torch.randn(rows, hidden, generator=generator)
+    norm = torch.rand(hidden, generator=generator) + 0.5
+    head = (torch.randn(out, hidden, generator=generator) * 0.1).half()
+    logits, scratch = torch.full((rows, out), float("nan")), torch.empty(rows, hidden)
+    native.library().envace_head(rows, hidden, out, x.data_ptr(), norm.data_ptr(), ctypes.c_float(1e-5),
+                                 head.data_ptr(), logits.data_ptr(), scratch.data_ptr())
+    h = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.double()
+    assert (logits.double() - h @ head.double().T).abs().max().item() < 1e-5
+
+
 def test_native_linear_runs_many_rows_natively_until_its_weight_changes(built: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A `NativeLinear` computes prefill-sized inputs natively, as fbgemm does to float rounding; a weight
