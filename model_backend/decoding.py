@@ -109,7 +109,8 @@ class _GrowingLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
-        self._keys, self._views_stale = value, False
+        self._settle_views()  # the other view too: setting one of the pair leaves the other current
+        self._keys = value
 
     @property
     def values(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -119,11 +120,19 @@ class _GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
-        self._values, self._views_stale = value, False
+        self._settle_views()
+        self._values = value
 
     def _refresh_views(self) -> None:
         assert self._k is not None and self._v is not None
         self._keys, self._values = self._k[..., : self._len, :], self._v[..., : self._len, :]
+        self._views_stale = False
+
+    def _settle_views(self) -> None:
+        """Before a view is set: make stale views current, or drop them where the buffers are gone (a reset or a
+        repeated prefix sets both views next)."""
+        if self._views_stale and self._k is not None and self._v is not None:
+            self._refresh_views()
         self._views_stale = False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):

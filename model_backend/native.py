@@ -2,10 +2,11 @@
 
 At batch 1 the lean torch step spends more time on about 1,000 small ops a token (and on taking the GIL
 back after each) than on reading the weights. The C file computes a layer for the new tokens of a step in
-three calls (before attention, attention, after attention) and the head in one, with fp16 weights widened
-exactly to fp32 as fbgemm does; `fast_step.lean_step` uses it for steps of fp16 models with at most
-`fast_step.NATIVE_STEP_MAX_TOKENS` real tokens (decode steps, jump-forward's forced tokens, short rows after
-a shared prefix) and keeps torch for everything else (prefill, token trees, fp32 or int8 weights).
+three calls (before attention, attention, after attention), a decode step's layers all in one, and the head
+in one, with fp16 weights widened exactly to fp32 as fbgemm does; `fast_step.lean_step` uses it for steps
+of fp16 models with at most `fast_step.NATIVE_STEP_MAX_TOKENS` real tokens (decode steps, jump-forward's
+forced tokens, short rows after a shared prefix) and keeps torch for everything else (prefill, token trees,
+fp32 or int8 weights).
 
 It needs a C compiler (`cc`, with OpenMP) and an x86-64 CPU with AVX2, FMA and F16C. Where either is
 missing, or `ENVACE_NATIVE=0`, `library()` returns None and the torch step runs as before; `status()`

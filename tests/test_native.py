@@ -161,6 +161,21 @@ def test_the_cache_after_native_decode_steps_is_the_torch_steps(built: None, mon
         assert (native_layer.values - torch_layer.values).abs().max().item() < 1e-4
 
 
+def test_a_layer_written_in_place_shows_its_new_length_whichever_view_is_set_first() -> None:
+    """After the one-call decode writes keys and values into a layer's buffers (`wrote`), its views are made when
+    read; setting one of the pair (as `append` and `update` do, keys first) leaves the other view current."""
+    layer = decoding._GrowingLayer()
+    layer.append(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    written = torch.randn(1, 2, 1, 4)
+    layer._k[..., 3:4, :], layer._v[..., 3:4, :] = written, written + 1  # what the C call does
+    layer.wrote(4)
+    replacement = torch.zeros(1, 2, 4, 4)
+    layer.keys = replacement
+    assert layer.keys is replacement
+    assert layer.values.shape[-2] == 4 and torch.equal(layer.values[..., 3:4, :], written + 1)
+    assert layer.get_seq_length() == 4
+
+
 def test_a_step_with_many_tokens_stays_with_torch(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past NATIVE_STEP_MAX_TOKENS real tokens (a prefill) the native step declines: torch runs the step."""
     model = tiny_fp16_model()
