@@ -1,15 +1,18 @@
 """The two roles on one set of local weights: act (K candidates) and rehearse, plus scoring."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
+import json
 import logging
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 from . import fast_step
-from .base import Generation, GenerationConfig, Prompt, Timings, derive_seed
+from .base import Constraint, Generation, GenerationConfig, Prompt, Timings, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
@@ -24,6 +27,25 @@ SCORE_MEMO_ENTRIES = 4096
 """`score` results kept per loaded model. They depend only on the weights and the tokens, so a task run
 again (another mode of an eval, a person re-running a task) reuses them: above all the tool channel's
 pass over every tool description, a few seconds per user turn (`app.engine.proposals.relevance`)."""
+
+
+AHEAD_ENTRIES = 32
+"""Generation results computed ahead (`TransformersPolicy.computing_ahead`) kept at most, until a call asks for
+them (a step makes three to five generate calls)."""
+
+
+def _generation_key(rows: list[Row], constraints: list[Constraint | None], max_new_tokens: int) -> bytes:
+    """Everything a batch's outputs depend on, given the weights: each row's tokens, sampling, seed, stops and
+    constraint, and the token budget."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str(max_new_tokens).encode())
+    for row, constraint in zip(rows, constraints):
+        digest.update(array("l", row.ids).tobytes())
+        grammar = None if constraint is None else dataclasses.asdict(constraint)
+        digest.update(json.dumps([row.temperature, row.top_p, row.seed, list(row.stop), grammar], sort_keys=True,
+                                 default=str).encode())
+        digest.update(b"|")
+    return digest.digest()
 
 
 def _score_key(prompt: list[int], continuation: list[int]) -> bytes:
@@ -65,14 +87,22 @@ class TransformersPolicy:
         reset does not clear it (`forget_scores` does), since those prompts hold nothing of an episode."""
         self._scores: OrderedDict[bytes, list[float]] = OrderedDict()
         """Recent `score` results by (prompt, continuation) tokens (see `score`)."""
+        self._ahead: OrderedDict[bytes, list[RowOutput]] = OrderedDict()
+        """Generation results computed ahead, by `_generation_key`, until a call takes them (`computing_ahead`)."""
+        self._computing_ahead = threading.local()
+        self._demand = 0
+        """Calls outside `computing_ahead` waiting for the model or using it (`in_demand`)."""
+        self._demand_lock = threading.Lock()
         fast_step.prepare_native(self.model)
         self.timings = Timings()
         """Seconds per phase (`act.tokenize`, `act.prefill`, `act.decode`, `rehearse.*`, `score.*`)."""
 
     def reset_cache(self) -> None:
-        """Forget cached prompt prefixes (an episode reset; results never depend on it)."""
+        """Forget cached prompt prefixes and results computed ahead (an episode reset; results never depend on
+        either)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        self._ahead.clear()
 
     def __repr__(self) -> str:
         return f"TransformersPolicy({self.name!r}, device={self.loaded.device}, adapter={self.loaded.adapter!r})"
@@ -99,11 +129,63 @@ class TransformersPolicy:
             raise ValueError(f"prompt of {longest} tokens does not fit the {self.context_window}-token context")
         return min(max_new_tokens, self.context_window - longest)
 
-    def _generate(self, rows: list[Row], max_new_tokens: int, role: str) -> list[RowOutput]:
+    @property
+    def can_compute_ahead(self) -> bool:
+        """Whether `computing_ahead` pays: its scores are kept too (`score_memo` > 0, weights that do not change)."""
+        return self.score_memo > 0
+
+    @property
+    def in_demand(self) -> bool:
+        """Whether a call outside `computing_ahead` (a step someone waits for) is waiting for the model or using
+        it: work ahead then gives way (`EpisodeRunner.compute_ahead` stops before its next call)."""
+        return self._demand > 0
+
+    @contextlib.contextmanager
+    def _model(self) -> Iterator[None]:
+        """The model, one call at a time; a call outside `computing_ahead` counts as demand while it waits."""
+        ahead = bool(getattr(self._computing_ahead, "on", False))
+        if not ahead:
+            with self._demand_lock:
+                self._demand += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            if not ahead:
+                with self._demand_lock:
+                    self._demand -= 1
+
+    @contextlib.contextmanager
+    def computing_ahead(self) -> Iterator[None]:
+        """Generation results this thread makes inside are kept (at most `AHEAD_ENTRIES`) for the first call
+        that asks for the same batch (`_generation_key`), which takes them instead of generating; `score`
+        results are kept anyway. `EpisodeRunner.compute_ahead` computes the next step so while a person reads the
+        last one. Outputs depend only on the weights and the key (sampled rows draw from generators seeded
+        per row), so a taken result is the one the call would have computed."""
+        self._computing_ahead.on = True
+        try:
+            yield
+        finally:
+            self._computing_ahead.on = False
+
+    def _generate(self, rows: list[Row], max_new_tokens: int, role: str,
+                  constraints: list[Constraint | None]) -> list[RowOutput]:
         budget = self._budget([len(r.ids) for r in rows], max_new_tokens)
-        with self._lock:
-            return generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id, self.prefix_cache,
+        ahead = bool(getattr(self._computing_ahead, "on", False))
+        key = _generation_key(rows, constraints, budget) if ahead or self._ahead else None
+        with self._model():
+            if key is not None and key in self._ahead:
+                kept = self._ahead.pop(key)
+                if ahead:  # computed ahead twice: keep it for the call that will ask
+                    self._ahead[key] = kept
+                return kept
+            outs = generate(self.model, self.tokenizer, rows, budget, self.eos_ids, self.pad_id, self.prefix_cache,
                             self.timings, role)
+            if ahead and key is not None:
+                self._ahead[key] = outs
+                while len(self._ahead) > AHEAD_ENTRIES:
+                    self._ahead.popitem(last=False)
+            return outs
 
     def _matcher(self, prompt: Prompt) -> Any:
         """One grammar state per row (rows advance separately); None without a constraint."""
@@ -124,7 +206,7 @@ class TransformersPolicy:
             Row(ids, config.temperature, config.top_p, derive_seed(config.seed, i), config.stop, self._matcher(prompt))
             for i in range(1, k)
         ]
-        outs = self._generate(rows, config.max_new_tokens, "act")
+        outs = self._generate(rows, config.max_new_tokens, "act", [prompt.constraint] * k)
         return [self._to_generation(prompt.prefill, o, row.temperature > 0) for o, row in zip(outs, rows)]
 
     def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
@@ -140,7 +222,7 @@ class TransformersPolicy:
             return []
         with self.timings.phase(f"{role}.tokenize"):
             rows = [Row(self.encode(p), stop=config.stop, matcher=self._matcher(p)) for p in prompts]
-        outs = self._generate(rows, config.max_new_tokens, role)
+        outs = self._generate(rows, config.max_new_tokens, role, [p.constraint for p in prompts])
         return [self._to_generation(p.prefill, o, False) for p, o in zip(prompts, outs)]
 
     def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
@@ -161,7 +243,7 @@ class TransformersPolicy:
             cont_ids = [by_text[c] for c in continuations]
             keys = [_score_key(p, c) for p, c in zip(prompt_ids, cont_ids)]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
-        with self._lock:
+        with self._model():
             missing = [i for i, key in enumerate(keys) if key not in self._scores]
             if missing:
                 with self.timings.phase("score.forward"):
@@ -178,10 +260,11 @@ class TransformersPolicy:
             return results
 
     def forget_scores(self, prompts: bool = True) -> None:
-        """Drop the memo of `score` results, and with `prompts` the `prompt_cache` too (a benchmark that times
-        first scorings)."""
+        """Drop the kept results of `score` and those computed ahead, and with `prompts` the `prompt_cache` too
+        (a benchmark that times first scorings)."""
         with self._lock:
             self._scores.clear()
+            self._ahead.clear()
             if prompts and self.prompt_cache is not None:
                 self.prompt_cache.clear()
 

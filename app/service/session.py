@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import Any, Callable, Iterator
 
@@ -75,8 +76,13 @@ class ProgressPolicy:
 class Services:
     """Shared by all sessions: one store, one task catalog, one policy per (model, adapter)."""
 
-    def __init__(self, db_path: str, policy_loader: PolicyLoader | None = None) -> None:
+    def __init__(self, db_path: str, policy_loader: PolicyLoader | None = None,
+                 compute_ahead: bool | None = None) -> None:
+        """`compute_ahead`: compute each session's next step while the person reads the last one
+        (`RunSession.compute_ahead`); default on, `ENVACE_COMPUTE_AHEAD=0` turns it off."""
         self.db_path = db_path
+        self.compute_ahead = (os.environ.get("ENVACE_COMPUTE_AHEAD", "1") != "0" if compute_ahead is None
+                              else compute_ahead)
         self.store = Store(db_path)
         interrupted = self.store.mark_interrupted()
         if interrupted:  # a server killed mid-step left them "running"; their complete steps are kept
@@ -127,6 +133,8 @@ class RunSession:
         """Messages for the user from the last action (new episode, save retried...)."""
         self.resumed = False
         """A stored episode was just continued: the next Step carries on with it."""
+        self._ahead: threading.Thread | None = None
+        self._ahead_cancel = threading.Event()
 
     def __deepcopy__(self, memo: dict) -> RunSession:
         # gr.State deep-copies its default per session: a fresh run, never a shared one.
@@ -154,6 +162,43 @@ class RunSession:
     def is_busy(self) -> bool:
         return self._busy.locked()
 
+    def compute_ahead(self, services: Services) -> None:
+        """Start computing the next step in the background (`EpisodeRunner.compute_ahead`), so that Step then
+        only commits it; anything that changes the episode or runs a step first stops it (`_stop_ahead`).
+        Called once the last step is on screen; nothing where the services have it off or the episode is over."""
+        self._stop_ahead()
+        runner = self.runner
+        if not services.compute_ahead or runner is None or runner.done:
+            return
+        self._ahead_cancel = cancel = threading.Event()
+
+        def work() -> None:
+            try:
+                runner.compute_ahead(cancel)
+            except Exception:  # the step itself will meet (and report) whatever failed here
+                log.warning("computing the next step ahead failed in episode %s", runner.episode.id, exc_info=True)
+
+        self._ahead = threading.Thread(target=work, name="envace-compute-ahead", daemon=True)
+        self._ahead.start()
+
+    def _stop_ahead(self) -> None:
+        """Cancel the next step's computation ahead, and wait for the model call it is in (whose result the step
+        keeps) to end."""
+        if self._ahead is not None:
+            self._ahead_cancel.set()
+            self._ahead.join()
+            self._ahead = None
+
+    @property
+    def computing_ahead(self) -> bool:
+        return self._ahead is not None and self._ahead.is_alive()
+
+    def wait_ahead(self, timeout: float | None = None) -> bool:
+        """Wait until the computation ahead has ended (benchmarks and tests); True when it has."""
+        if self._ahead is not None:
+            self._ahead.join(timeout)
+        return not self.computing_ahead
+
     def _record(self, ep: Episode, step: Step) -> None:
         if self.unjudged and ep.status == "finished":
             ep.success = None  # a typed instruction has no ground truth to judge against
@@ -164,6 +209,7 @@ class RunSession:
 
     def ensure_runner(self, services: Services, request: RunRequest, report: Report | None = None) -> None:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
+        self._stop_ahead()
         if self.runner is not None and self.request is not None and self.request.key == request.key:
             return  # the same episode, finished or not (Reset starts a fresh one)
         if (self.resumed and self.runner is not None and not self.runner.done and self.request is not None
@@ -200,6 +246,7 @@ class RunSession:
     def resume(self, services: Services, episode_id: str) -> RunRequest:
         """Continue a stored episode that did not finish (interrupted, stopped or failed) in this
         session: its calls run again on a fresh environment, then Step carries on from there."""
+        self._stop_ahead()
         try:
             ep = services.store.get_episode(episode_id)
         except StoreError as exc:
@@ -262,6 +309,7 @@ class RunSession:
     def add_user_message(self, services: Services, request: RunRequest, text: str) -> int:
         """The person speaks as the user: `text` becomes the next user turn of this session's episode
         (starting one for `request` when there is none); returns the turn's index. Step then runs it."""
+        self._stop_ahead()
         self.ensure_runner(services, request)
         try:
             return self.runner.add_user_turn(text)
@@ -280,6 +328,7 @@ class RunSession:
 
     def close(self, services: Services) -> None:
         """Mark the open episode stopped; save it when it has steps (an empty one was never written)."""
+        self._stop_ahead()
         if self.runner is None or self.runner.done:
             return
         self.runner.stop()
@@ -287,6 +336,7 @@ class RunSession:
             self._save(services)
 
     def reset(self, services: Services) -> None:
+        self._stop_ahead()
         self.close(services)
         self.resumed = False
         reset_cache = getattr(getattr(self.runner, "policy", None), "reset_cache", None)

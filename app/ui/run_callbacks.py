@@ -122,6 +122,8 @@ class RunCallbacks:
         except InputError as exc:
             gr.Warning(str(exc))
             yield self.view(session, message_html(str(exc), "error"))
+            return
+        session.compute_ahead(self.services)  # runs once the last view is on its way to the page
 
     def say(self, session: RunSession, text: str, **form: Any) -> tuple:
         """The person types the next user message; Step then lets the agent answer it."""
@@ -133,7 +135,9 @@ class RunCallbacks:
             gr.Warning(str(exc))
             return (*self.view(session, message_html(str(exc), "error")), gr.skip())
         note = f"User turn {turn + 1} added: press Step or Run turn to let the agent answer."
-        return (*self.view(session, message_html(note)), "")
+        view = self.view(session, message_html(note))
+        session.compute_ahead(self.services)
+        return (*view, "")
 
     def stop(self, session: RunSession) -> tuple[str, str]:
         text = session.request_stop(self.services)

@@ -1,0 +1,154 @@
+"""Computing the next step ahead (`EpisodeRunner.compute_ahead`) while a person reads the last one: the step
+then makes no model call, and is the step it would have computed; the episode does not change meanwhile."""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import pytest
+
+import model_backend.policy as policy_module
+from app import envs
+from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER
+from app.engine import EpisodeRunner
+from app.envs.mock import MockEnvironment
+from app.records import RunSettings
+from app.service.catalog import RunRequest
+from app.service.session import RunSession, Services
+from app.ui.run_callbacks import RunCallbacks, form_from_request
+from model_backend import GenerationConfig, Prompt, load_policy
+from model_backend.policy import TransformersPolicy
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = RunSettings(mode="parallel", branches=3, selector="logprob", seed=0, shadow=True, max_steps_per_turn=2,
+                       max_action_tokens=40, max_rehearsal_tokens=40, relevance=DEFAULT_RELEVANCE)
+
+
+@pytest.fixture(scope="module")
+def policy() -> Any:
+    return load_policy("embedded", adapter=SHIPPED_ADAPTER)
+
+
+@pytest.fixture
+def model_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many generate and score passes the policy runs (kept results taken make none)."""
+    calls = {"generate": 0, "score": 0}
+    for name in calls:
+        real = getattr(policy_module, name)
+
+        def counted(*args: Any, _name: str = name, _real: Any = real, **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(policy_module, name, counted)
+    return calls
+
+
+def decisions(step: Any) -> list[tuple]:
+    return [(b.action_text, b.kind, b.predicted_text, json.dumps(b.actual, sort_keys=True, default=str), b.chosen,
+             b.metrics.exact if b.metrics else None) for b in step.branches]
+
+
+def scores(step: Any) -> list[dict[str, float]]:
+    return [dict(b.scores, surprise=b.metrics.surprise or 0.0 if b.metrics else 0.0) for b in step.branches]
+
+
+def snapshot(runner: EpisodeRunner) -> tuple:
+    return (json.dumps(runner.env.state(), sort_keys=True, default=str), list(runner.history),
+            len(runner.episode.steps), runner.turn, runner._turn_open, list(runner.turn_executed), runner.done)
+
+
+def test_a_step_computed_ahead_is_the_step_computed_then(policy: Any, model_calls: dict[str, int]) -> None:
+    """Three steps of a held-out task (K=3, tools ranked with the channel, a turn budget of two steps): the first
+    opens turn 0, the second continues it, the third opens turn 1 (the budget closed turn 0). Each is computed
+    ahead on runner B while runner A computes it when stepped: B's step makes no model call and takes the same
+    decisions; computing ahead leaves B's episode, history and environment as they were."""
+    task_id = envs.list_tasks("multi_turn_base", "heldout")[1]
+    plain = EpisodeRunner(envs.load_task(task_id), policy, SETTINGS)
+    ahead = EpisodeRunner(envs.load_task(task_id), policy, SETTINGS)
+    turns = []
+    for _ in range(3):
+        policy.reset_cache()
+        policy.forget_scores(prompts=False)
+        expected = plain.step()
+        policy.reset_cache()
+        policy.forget_scores(prompts=False)
+        before = snapshot(ahead)
+        model_calls.update(generate=0, score=0)
+        assert ahead.compute_ahead() is True
+        assert model_calls["generate"] >= 2 and model_calls["score"] >= 1  # Act and Rehearse, surprise at least
+        assert snapshot(ahead) == before
+        model_calls.update(generate=0, score=0)
+        step = ahead.step()
+        assert model_calls == {"generate": 0, "score": 0}
+        assert decisions(step) == decisions(expected)
+        for got, want in zip(scores(step), scores(expected)):
+            assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-3 for k in got)
+        turns.append(step.turn)
+    assert turns == [0, 0, 1]
+    assert ahead.history == plain.history and ahead.env.state() == plain.env.state()
+
+
+def test_results_computed_ahead_are_taken_once(policy: Any, model_calls: dict[str, int]) -> None:
+    prompt = Prompt([{"role": "user", "content": "Name a colour."}])
+    config = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=3)
+    with policy.computing_ahead():
+        ahead = [g.text for g in policy.act(prompt, 2, config)]
+    assert model_calls["generate"] == 1
+    assert [g.text for g in policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 1  # taken
+    assert [g.text for g in policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 2  # computed
+    other = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=4)
+    with policy.computing_ahead():
+        policy.act(prompt, 2, other)
+    policy.act(prompt, 2, config)  # another seed is another batch: computed
+    assert model_calls["generate"] == 4
+    policy.reset_cache()  # an episode reset drops what was computed ahead
+    policy.act(prompt, 2, other)
+    assert model_calls["generate"] == 5
+
+
+def test_computing_ahead_gives_way_and_refuses_what_cannot_pay(policy: Any, model_calls: dict[str, int]) -> None:
+    task = envs.load_task(envs.list_tasks("multi_turn_base", "heldout")[0])
+    runner = EpisodeRunner(task, policy, SETTINGS)
+    before = snapshot(runner)
+    cancel = threading.Event()
+    cancel.set()
+    assert runner.compute_ahead(cancel) is False  # cancelled before its first model call
+    with policy._model():  # a step someone waits for holds the model: work ahead gives way at once
+        assert runner.compute_ahead() is False
+    assert model_calls == {"generate": 0, "score": 0} and snapshot(runner) == before
+    # Forks that would reach a real backend, or a policy that keeps no results (weights in training): nothing.
+    assert EpisodeRunner(task, policy, SETTINGS, env=MockEnvironment(forkable=False)).compute_ahead() is False
+    training = TransformersPolicy(policy.loaded, prefix_cache_bytes=0, score_memo=0)
+    assert EpisodeRunner(task, training, SETTINGS).compute_ahead() is False
+    assert model_calls == {"generate": 0, "score": 0}
+    runner.stop()
+    assert runner.compute_ahead() is False
+
+
+def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, model_calls: dict[str, int],
+                                                                   tmp_path: Any) -> None:
+    """The Run tab's Step (its callback, as Gradio drives it) starts the next step's computation once its
+    last view is out; the next Step then makes no model call. Reset stops the work ahead; services with it
+    off start none."""
+    services = Services(str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: policy, compute_ahead=True)
+    run = RunCallbacks(services)
+    request = RunRequest(task_id=envs.list_tasks("multi_turn_base", "heldout")[2], model="embedded",
+                         settings=SETTINGS)
+    form = {**form_from_request(request), "instruction": "", "instruction_env": ""}
+    session = RunSession()
+    list(run.step(session, progress=lambda *a, **k: None, **form))
+    assert session.episode is not None and len(session.episode.steps) == 1
+    assert session.wait_ahead(timeout=300)
+    model_calls.update(generate=0, score=0)
+    list(run.step(session, progress=lambda *a, **k: None, **form))
+    assert len(session.episode.steps) == 2 and model_calls == {"generate": 0, "score": 0}
+    assert session.computing_ahead or session.runner.done  # the third step is on its way
+    run.reset(session, **form)  # stops the work ahead (the model call it is in ends first)
+    assert not session.computing_ahead and session.runner is None
+    off = Services(str(tmp_path / "off.db"), policy_loader=lambda model, adapter: policy, compute_ahead=False)
+    session.step(off, request)
+    session.compute_ahead(off)
+    assert not session.computing_ahead
