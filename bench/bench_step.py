@@ -7,6 +7,10 @@ step, into a temporary SQLite file), the UI render (the Run tab's HTML and chat 
 and the rest of the engine (parsing, metrics, dedup). The product's defaults hold: constrained
 decoding, shadow execution, the prefix cache, sampled alternatives (`--proposal tools` for the other kind). Writes `bench/results/step_latency.json` and a
 plotly stacked bar `bench/results/step_breakdown.html` (and .png when kaleido is installed).
+
+`--ahead`: as the Run tab does, each step is computed ahead while a person would read the task picked or the
+last step (`EpisodeRunner.compute_ahead`, timed apart: the reading time the wait assumes), then Step is timed:
+the wait. Writes `bench/results/step_latency_ahead.json`.
 """
 from __future__ import annotations
 
@@ -78,6 +82,8 @@ def main() -> None:
                         help="weight of log P(request | tool) in the tool ranking")
     parser.add_argument("--cold-prompts", action="store_true",
                         help="forget the channel's tool lines before every task, not only before each K")
+    parser.add_argument("--ahead", action="store_true",
+                        help="compute each step ahead first (the Run tab's reading time), then time Step")
     parser.add_argument("--torch-step", action="store_true",
                         help="the native decode step off (writes step_latency_torch_step.json): the same-day baseline")
     args = parser.parse_args()
@@ -98,6 +104,10 @@ def main() -> None:
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         policy.forget_scores()  # each K starts with no tool line encoded
         totals: list[float] = []
+        first: list[float] = []  # each task's first step
+        later: list[float] = []
+        ahead_first: list[float] = []  # --ahead: seconds a first step took to compute ahead (the Run tab: while
+        ahead_later: list[float] = []  # the person reads the picked task), and a later one (reads the last step)
         sums = {p: 0.0 for p in PHASES}
         for task_id in tqdm(task_ids, desc=f"K={k}"):
             task = envs.load_task(task_id)
@@ -108,9 +118,14 @@ def main() -> None:
             runner = EpisodeRunner(task, policy, settings)
             recorder = Recorder(store)
             recorder.start(runner.episode)
-            for _ in range(args.steps):
+            for i in range(args.steps):
+                if args.ahead:
+                    t0 = time.perf_counter()
+                    assert runner.compute_ahead()
+                    (ahead_later if i > 0 else ahead_first).append(time.perf_counter() - t0)
                 phases, done = step_phases(runner, recorder, task)
                 totals.append(sum(phases.values()))
+                (later if i > 0 else first).append(totals[-1])
                 for p in PHASES:
                     sums[p] += phases[p]
                 if done:
@@ -119,15 +134,27 @@ def main() -> None:
         rows[str(k)] = {"steps": n, "p50_s": round(statistics.median(totals), 2),
                         "mean_s": round(statistics.mean(totals), 2),
                         "p90_s": round(sorted(totals)[int(0.9 * (n - 1))], 2),
-                        "mean_phase_s": {p: round(sums[p] / n, 3) for p in PHASES}}
+                        "mean_phase_s": {p: round(sums[p] / n, 3) for p in PHASES},
+                        "first_steps_p50_s": round(statistics.median(first), 2),
+                        "later_steps_p50_s": round(statistics.median(later), 2)}
+        if args.ahead:
+            row = rows[str(k)]
+            row["ahead_first_p50_s"] = round(statistics.median(ahead_first), 2)
+            row["ahead_later_p50_s"] = round(statistics.median(ahead_later), 2)
+            row["ahead_max_s"] = round(max(ahead_first + ahead_later), 2)
+            print(f"K={k}: Step waits p50 {row['p50_s']} s (max {max(totals):.2f}) once computed ahead, which took "
+                  f"{row['ahead_first_p50_s']} s (p50) for a task's first step, {row['ahead_later_p50_s']} s for "
+                  f"a later one")
         print(f"K={k}: p50 {rows[str(k)]['p50_s']} s over {n} steps; " +
               ", ".join(f"{p} {v:.2f}" for p, v in rows[str(k)]["mean_phase_s"].items()))
     if "1" in rows and "4" in rows:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
-        print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']} (goal <= 1.3); K=4 p50 {rows['4']['p50_s']} s (goal <= 4)")
-    if not args.torch_step:
+        goals = "" if args.ahead else " (goal <= 1.3, for the step's compute)"
+        print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']}{goals}; K=4 p50 {rows['4']['p50_s']} s")
+    if not (args.torch_step or args.ahead):
         figure(rows)
-    write_results("step_latency_torch_step" if args.torch_step else "step_latency", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
+    name = "step_latency_torch_step" if args.torch_step else "step_latency_ahead" if args.ahead else "step_latency"
+    write_results(name, {"computed_ahead": args.ahead, "adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
                                    "native_decode": native.status(),
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
                                    "relevance": args.relevance, "cold_prompts": args.cold_prompts,

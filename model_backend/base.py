@@ -119,6 +119,11 @@ class RemoteCapabilityError(RuntimeError):
     """The model server cannot do what was asked (e.g. `score`: no prompt log-probabilities)."""
 
 
+class AheadStopped(Exception):
+    """Work ahead (`TransformersPolicy.computing_ahead`) stopped before a model call: told to, or a step
+    someone waits for wants the model."""
+
+
 def supports_scoring(policy: object) -> bool:
     """False for a policy whose `score` cannot work (a server without prompt log-probabilities)."""
     return bool(getattr(policy, "supports_scoring", True))

@@ -9,10 +9,10 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import fast_step
-from .base import Constraint, Generation, GenerationConfig, Prompt, Timings, derive_seed
+from .base import AheadStopped, Constraint, Generation, GenerationConfig, Prompt, Timings, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
@@ -29,6 +29,8 @@ again (another mode of an eval, a person re-running a task) reuses them: above a
 pass over every tool description, a few seconds per user turn (`app.engine.proposals.relevance`)."""
 
 
+AHEAD_POLL_S = 0.02
+"""How often work ahead waiting for the model checks whether to stop."""
 AHEAD_ENTRIES = 32
 """Generation results computed ahead (`TransformersPolicy.computing_ahead`) kept at most, until a call asks for
 them (a step makes three to five generate calls)."""
@@ -137,36 +139,49 @@ class TransformersPolicy:
     @property
     def in_demand(self) -> bool:
         """Whether a call outside `computing_ahead` (a step someone waits for) is waiting for the model or using
-        it: work ahead then gives way (`EpisodeRunner.compute_ahead` stops before its next call)."""
+        it: work ahead then gives way."""
         return self._demand > 0
 
     @contextlib.contextmanager
     def _model(self) -> Iterator[None]:
-        """The model, one call at a time; a call outside `computing_ahead` counts as demand while it waits."""
-        ahead = bool(getattr(self._computing_ahead, "on", False))
-        if not ahead:
-            with self._demand_lock:
-                self._demand += 1
+        """The model, one call at a time. A call outside `computing_ahead` counts as demand while it waits and
+        runs; one inside waits only while its `stop` is false and nobody else asks (else `AheadStopped`)."""
+        local = self._computing_ahead
+        if getattr(local, "on", False):
+            while not self._lock.acquire(timeout=AHEAD_POLL_S):
+                if local.stop() or self.in_demand:
+                    raise AheadStopped()
+            try:
+                if local.stop() or self.in_demand:
+                    raise AheadStopped()
+                yield
+            finally:
+                self._lock.release()
+            return
+        with self._demand_lock:
+            self._demand += 1
         try:
             with self._lock:
                 yield
         finally:
-            if not ahead:
-                with self._demand_lock:
-                    self._demand -= 1
+            with self._demand_lock:
+                self._demand -= 1
 
     @contextlib.contextmanager
-    def computing_ahead(self) -> Iterator[None]:
+    def computing_ahead(self, stop: Callable[[], bool] = lambda: False) -> Iterator[None]:
         """Generation results this thread makes inside are kept (at most `AHEAD_ENTRIES`) for the first call
         that asks for the same batch (`_generation_key`), which takes them instead of generating; `score`
-        results are kept anyway. `EpisodeRunner.compute_ahead` computes the next step so while a person reads the
-        last one. Outputs depend only on the weights and the key (sampled rows draw from generators seeded
-        per row), so a taken result is the one the call would have computed."""
-        self._computing_ahead.on = True
+        results are kept anyway. `EpisodeRunner.compute_ahead` computes the next step so while a person reads
+        the last one. Outputs depend only on the weights and the key (sampled rows draw from generators seeded
+        per row), so a taken result is the one the call would have computed. Before each model call (and while
+        waiting for the model), `stop()` or a call from outside (`in_demand`) raises `AheadStopped`: the call
+        running then finishes, and is kept."""
+        local = self._computing_ahead
+        local.on, local.stop = True, stop
         try:
             yield
         finally:
-            self._computing_ahead.on = False
+            local.on = False
 
     def _generate(self, rows: list[Row], max_new_tokens: int, role: str,
                   constraints: list[Constraint | None]) -> list[RowOutput]:

@@ -131,8 +131,8 @@ def test_computing_ahead_gives_way_and_refuses_what_cannot_pay(policy: Any, mode
 def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, model_calls: dict[str, int],
                                                                    tmp_path: Any) -> None:
     """The Run tab's Step (its callback, as Gradio drives it) starts the next step's computation once its
-    last view is out; the next Step then makes no model call. Reset stops the work ahead; services with it
-    off start none."""
+    last view is out; the next Step then makes no model call. Reset stops that and prepares the task's first
+    step in a new episode, which Step then takes. Services with it off start nothing."""
     services = Services(str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: policy, compute_ahead=True)
     run = RunCallbacks(services)
     request = RunRequest(task_id=envs.list_tasks("multi_turn_base", "heldout")[2], model="embedded",
@@ -146,9 +146,18 @@ def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, 
     list(run.step(session, progress=lambda *a, **k: None, **form))
     assert len(session.episode.steps) == 2 and model_calls == {"generate": 0, "score": 0}
     assert session.computing_ahead or session.runner.done  # the third step is on its way
-    run.reset(session, **form)  # stops the work ahead (the model call it is in ends first)
+    first = session.episode.id
+    run.reset(session, **form)  # stops that, and prepares the task's first step in a new episode
+    assert session.wait_ahead(timeout=300)
+    assert session.runner is not None and session.episode.id != first and not session.episode.steps
+    model_calls.update(generate=0, score=0)
+    list(run.step(session, progress=lambda *a, **k: None, **form))
+    assert len(session.episode.steps) == 1 and model_calls == {"generate": 0, "score": 0}
+    session.reset(services)
     assert not session.computing_ahead and session.runner is None
     off = Services(str(tmp_path / "off.db"), policy_loader=lambda model, adapter: policy, compute_ahead=False)
+    session.prepare(off, request)
+    assert not session.computing_ahead and session.runner is None
     session.step(off, request)
     session.compute_ahead(off)
     assert not session.computing_ahead

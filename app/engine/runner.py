@@ -33,8 +33,8 @@ from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
                          parse_action, rehearse_target)
 from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
-from model_backend.base import (Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError, Timings,
-                                supports_scoring)
+from model_backend.base import (AheadStopped, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
+                                Timings, supports_scoring)
 
 log = logging.getLogger(__name__)
 
@@ -217,27 +217,29 @@ class EpisodeRunner:
         and the turn's calls copied, the next user turn opened on the copy where the last one closed), and the
         policy keeps their results for the step that makes the same calls (`computing_ahead`; scores are kept
         anyway). Nothing of the episode changes. Where `cancel` is set, it stops before its next model call
-        (the one running finishes, and is kept). True when the whole step was computed; False where it was
+        (the one running finishes, and is kept), as it does while a step of another session waits for the
+        model. True when the whole step was computed; False where it was
         cancelled or cannot pay: an episode that is over, an environment that cannot fork in memory (its
         forks would reach a real backend), or a policy that keeps no results (a remote server, weights in
-        training). It also stops where another session's step waits for the model (`in_demand`)."""
+        training)."""
         inner = getattr(self.policy, "inner", self.policy)  # the UI's progress wrapper reports the real step only
         if self.done or not getattr(self.env, "forkable", False) or not getattr(inner, "can_compute_ahead", False):
             return False
         if not self._turn_open and self.turn >= len(self.task.turns):
             return False
         scratch = copy.copy(self)
-        scratch.policy = _Cancellable(inner, cancel or threading.Event())
+        scratch.policy = inner
         scratch.env = self.env.fork()
         scratch.history, scratch.turn_executed = list(self.history), list(self.turn_executed)
         scratch.timings, scratch.on_step = Timings(), None
         scratch._relevance_cache = dict(self._relevance_cache)
+        stop = (cancel or threading.Event()).is_set
         try:
-            with inner.computing_ahead():
+            with inner.computing_ahead(stop):
                 if not scratch._turn_open:
                     scratch._open_turn()
                 scratch._decide(scratch.env.state())
-        except _Cancelled:
+        except AheadStopped:
             return False
         finally:
             if hasattr(scratch.env, "close"):
@@ -433,38 +435,6 @@ class EpisodeRunner:
             logprobs = [[] for _ in measured]
         for b, lps in zip(measured, logprobs):
             b.metrics = compare(b.predicted, ctx.predicted_valid[b.index], b.actual, surprise=_round(mean_nll(lps)))
-
-
-class _Cancelled(Exception):
-    """`compute_ahead` was cancelled."""
-
-
-class _Cancellable:
-    """The policy as `compute_ahead` calls it: each model call first checks `cancel`."""
-
-    def __init__(self, inner: Any, cancel: threading.Event) -> None:
-        self.inner, self.cancel = inner, cancel
-        self.name, self.context_window = inner.name, inner.context_window
-
-    def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
-
-    def _go(self) -> Any:
-        if self.cancel.is_set() or getattr(self.inner, "in_demand", False):  # a step someone waits for goes first
-            raise _Cancelled()
-        return self.inner
-
-    def act(self, prompt: Prompt, k: int, config: GenerationConfig) -> list[Generation]:
-        return self._go().act(prompt, k, config)
-
-    def act_each(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
-        return self._go().act_each(prompts, config)
-
-    def rehearse(self, prompts: list[Prompt], config: GenerationConfig) -> list[Generation]:
-        return self._go().rehearse(prompts, config)
-
-    def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
-        return self._go().score(prompts, continuations)
 
 
 def _round(value: float | None) -> float | None:

@@ -7,10 +7,12 @@ through the database, and only once a step is saved.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 from app import envs
@@ -118,6 +120,19 @@ def _load_real_policy(model: str, adapter: str | None) -> Any:
 # ---------------------------------------------------------------- one session's run
 
 
+_AHEAD: "weakref.WeakKeyDictionary[threading.Thread, threading.Event]" = weakref.WeakKeyDictionary()
+"""Every session's work ahead still running, with its cancel event."""
+
+
+@atexit.register
+def _stop_all_ahead() -> None:
+    """At exit, stop the work ahead and wait for the model call each is in: a thread still inside torch while
+    the interpreter shuts down aborts the process."""
+    for thread, cancel in list(_AHEAD.items()):
+        cancel.set()
+        thread.join()
+
+
 class RunSession:
     """One browser session's run (held in `gr.State`): its runner, its recorder, the step in view."""
 
@@ -178,7 +193,36 @@ class RunSession:
             except Exception:  # the step itself will meet (and report) whatever failed here
                 log.warning("computing the next step ahead failed in episode %s", runner.episode.id, exc_info=True)
 
+        self._start(work, cancel)
+
+    def prepare(self, services: Services, request: RunRequest) -> None:
+        """A task (or typed instruction) picked with no episode in progress: open its episode and compute its
+        first step, both in the background (the model loads there on first use), while the person reads the
+        task; Step then finds the episode open and its first step computed. Nothing where an episode with
+        steps is still running (a changed form starts a new episode only when Step is pressed), or where the
+        services have computing ahead off. A request that cannot run is left for Step to report."""
+        if not services.compute_ahead or (self.runner is not None and self.episode.steps and not self.runner.done):
+            return
+        previous, cancel = self._ahead, threading.Event()
+        self._ahead_cancel.set()  # the work ahead for an earlier pick stops at its next model call
+        self._ahead_cancel = cancel
+
+        def work() -> None:
+            if previous is not None:
+                previous.join()
+            if cancel.is_set():
+                return
+            try:
+                self._open(services, request)
+                self.runner.compute_ahead(cancel)
+            except Exception:
+                log.info("could not prepare the first step of %s", request.task_id, exc_info=True)
+
+        self._start(work, cancel)
+
+    def _start(self, work: Callable[[], None], cancel: threading.Event) -> None:
         self._ahead = threading.Thread(target=work, name="envace-compute-ahead", daemon=True)
+        _AHEAD[self._ahead] = cancel
         self._ahead.start()
 
     def _stop_ahead(self) -> None:
@@ -210,6 +254,9 @@ class RunSession:
     def ensure_runner(self, services: Services, request: RunRequest, report: Report | None = None) -> None:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
         self._stop_ahead()
+        self._open(services, request, report)
+
+    def _open(self, services: Services, request: RunRequest, report: Report | None = None) -> None:
         if self.runner is not None and self.request is not None and self.request.key == request.key:
             return  # the same episode, finished or not (Reset starts a fresh one)
         if (self.resumed and self.runner is not None and not self.runner.done and self.request is not None

@@ -150,6 +150,7 @@ class RunCallbacks:
             return self.view(session, message_html(text, "error"))
         session.reset(self.services)
         message, status, _, timeline, cards, state = self.view(session)
+        self._prepare(session, form)
         return (message_html("Reset: the next Step starts a new episode."), status, self.preview_chat(form),
                 timeline, cards, state)
 
@@ -182,7 +183,16 @@ class RunCallbacks:
                 same = True
             note = "" if same else "The next Step starts a new episode with this task and these settings."
             return message_html(note), gr.skip()
+        self._prepare(session, form)
         return "", self.preview_chat(form)
+
+    def _prepare(self, session: RunSession, form: dict[str, Any]) -> None:
+        """The first step of the picked task, computed while the person reads it (`RunSession.prepare`)."""
+        try:
+            request = request_from_form(form)
+        except InputError:
+            return  # Step will say what is wrong with the form
+        session.prepare(self.services, request)
 
     def task_choices(self, env_class: str, category: str) -> list[tuple[str, str]]:
         infos = self.services.catalog.filter(None if env_class == C.ALL else env_class,
