@@ -46,6 +46,14 @@ def table() -> str:
     if baseline:
         rows.append("| same, the torch decode step (native off, `bench_step.py --torch-step`): step p50 K=1 / K=4 | "
                     + " / ".join(fmt(baseline[k]["p50_s"], " s") for k in ("1", "4") if k in baseline) + " | |")
+    ahead = load("step_latency_ahead").get("results", {})
+    if "1" in ahead and "4" in ahead:
+        rows.append("| Step's wait once the step was computed ahead (the Run tab, while the person reads; "
+                    "`bench_step.py --ahead`), p50 K=1 / K=4 | "
+                    + " / ".join(fmt(ahead[k]["p50_s"], " s") for k in ("1", "4")) + " | |")
+        rows.append("| computing a step ahead takes, p50 K=1 / K=4: a task's first step / a later one | "
+                    + " / ".join(f"{fmt(ahead[k]['ahead_first_p50_s'], ' s')}, {fmt(ahead[k]['ahead_later_p50_s'], ' s')}"
+                                 for k in ("1", "4")) + " | |")
     dec = load("decode")
     d, b, sp, st = (dec.get(k, {}) for k in ("decode", "bound", "shared_prefix", "startup"))
     for value, label, goal in (
