@@ -161,3 +161,26 @@ def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, 
     session.step(off, request)
     session.compute_ahead(off)
     assert not session.computing_ahead
+
+
+def test_a_failure_while_computing_ahead_is_logged_and_step_computes_the_step(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Engine flow only (a scripted policy, named as such): the work ahead raising leaves the session as it was."""
+    from scripted import ScriptedPolicy
+
+    scripted = ScriptedPolicy([['{"name": "get", "arguments": {"key": "a"}}'], ["Done."]])
+    services = Services(str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: scripted, compute_ahead=True)
+    request = RunRequest(task_id=envs.MOCK_TASK_ID, model="scripted",
+                         settings=RunSettings(mode="none", branches=1, selector="logprob"))
+    session = RunSession()
+    assert session.step(services, request) is not None
+
+    def broken(self: EpisodeRunner, cancel: Any = None) -> bool:
+        raise RuntimeError("fork failed")
+
+    monkeypatch.setattr(EpisodeRunner, "compute_ahead", broken)
+    with caplog.at_level("WARNING"):
+        session.compute_ahead(services)
+        assert session.wait_ahead(timeout=30)
+    assert "computing the next step ahead failed" in caplog.text and "fork failed" in caplog.text
+    assert session.step(services, request) is not None and len(session.episode.steps) == 2
