@@ -31,6 +31,8 @@ pass over every tool description, a few seconds per user turn (`app.engine.propo
 
 AHEAD_POLL_S = 0.02
 """How often work ahead waiting for the model checks whether to stop."""
+AHEAD_SCORE_ROWS = 8
+"""Work ahead scores this many rows a turn at the model (`TransformersPolicy.score`)."""
 AHEAD_ENTRIES = 32
 """Generation results computed ahead (`TransformersPolicy.computing_ahead`) kept at most, until a call asks for
 them (a step makes three to five generate calls)."""
@@ -100,11 +102,10 @@ class TransformersPolicy:
         """Seconds per phase (`act.tokenize`, `act.prefill`, `act.decode`, `rehearse.*`, `score.*`)."""
 
     def reset_cache(self) -> None:
-        """Forget cached prompt prefixes and results computed ahead (an episode reset; results never depend on
-        either)."""
+        """Forget cached prompt prefixes (an episode reset; results never depend on it). Results computed ahead
+        stay: they are keyed by every token they depend on, and may be another session's next step."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        self._ahead.clear()
 
     def __repr__(self) -> str:
         return f"TransformersPolicy({self.name!r}, device={self.loaded.device}, adapter={self.loaded.adapter!r})"
@@ -258,14 +259,15 @@ class TransformersPolicy:
             cont_ids = [by_text[c] for c in continuations]
             keys = [_score_key(p, c) for p, c in zip(prompt_ids, cont_ids)]
         self._budget([len(p) + len(c) + 1 for p, c in zip(prompt_ids, cont_ids)], 0)
+        if getattr(self._computing_ahead, "on", False):
+            # Work ahead scores in slices, each its own turn at the model: a step someone waits for then waits
+            # for one slice at most (the channel's pass over a new task's tools took 2-4 s as one call).
+            for start in range(0, len(keys), AHEAD_SCORE_ROWS):
+                part = slice(start, start + AHEAD_SCORE_ROWS)
+                with self._model():
+                    self._score_missing(keys[part], prompt_ids[part], cont_ids[part])
         with self._model():
-            missing = [i for i, key in enumerate(keys) if key not in self._scores]
-            if missing:
-                with self.timings.phase("score.forward"):
-                    fresh = score(self.model, [prompt_ids[i] for i in missing], [cont_ids[i] for i in missing],
-                                  self.pad_id, prefix_cache=self.prefix_cache, prompt_cache=self.prompt_cache)
-                for i, lps in zip(missing, fresh):
-                    self._scores[keys[i]] = lps
+            self._score_missing(keys, prompt_ids, cont_ids)
             results = []
             for key in keys:
                 self._scores.move_to_end(key)
@@ -273,6 +275,16 @@ class TransformersPolicy:
             while len(self._scores) > self.score_memo:
                 self._scores.popitem(last=False)
             return results
+
+    def _score_missing(self, keys: list[bytes], prompt_ids: list[list[int]], cont_ids: list[list[int]]) -> None:
+        """Score the rows whose results are not kept yet, and keep them (the caller holds the model)."""
+        missing = [i for i, key in enumerate(keys) if key not in self._scores]
+        if missing:
+            with self.timings.phase("score.forward"):
+                fresh = score(self.model, [prompt_ids[i] for i in missing], [cont_ids[i] for i in missing],
+                              self.pad_id, prefix_cache=self.prefix_cache, prompt_cache=self.prompt_cache)
+            for i, lps in zip(missing, fresh):
+                self._scores[keys[i]] = lps
 
     def forget_scores(self, prompts: bool = True) -> None:
         """Drop the kept results of `score` and those computed ahead, and with `prompts` the `prompt_cache` too

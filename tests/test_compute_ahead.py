@@ -104,7 +104,7 @@ def test_results_computed_ahead_are_taken_once(policy: Any, model_calls: dict[st
         policy.act(prompt, 2, other)
     policy.act(prompt, 2, config)  # another seed is another batch: computed
     assert model_calls["generate"] == 4
-    policy.reset_cache()  # an episode reset drops what was computed ahead
+    policy.forget_scores(prompts=False)  # a benchmark's fresh start drops what was computed ahead
     policy.act(prompt, 2, other)
     assert model_calls["generate"] == 5
 
@@ -184,3 +184,34 @@ def test_a_failure_while_computing_ahead_is_logged_and_step_computes_the_step(
         assert session.wait_ahead(timeout=30)
     assert "computing the next step ahead failed" in caplog.text and "fork failed" in caplog.text
     assert session.step(services, request) is not None and len(session.episode.steps) == 2
+
+
+def test_work_ahead_scores_in_slices_and_gives_way_between_them(policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `computing_ahead`, `score` takes the model for `AHEAD_SCORE_ROWS` rows at a time: a step that
+    arrives meanwhile waits for one slice, and the slices done stay kept for it."""
+    from model_backend.base import AheadStopped
+
+    prompts = [Prompt([{"role": "user", "content": f"Describe item {i} in one word."}]) for i in range(20)]
+    continuations = ["Blue."] * 20
+    rows: list[int] = []
+    real = policy_module.score
+
+    def scoring(model: Any, prompt_ids: list, *args: Any, **kwargs: Any) -> Any:
+        rows.append(len(prompt_ids))
+        out = real(model, prompt_ids, *args, **kwargs)
+        if len(rows) == 1:
+            policy._demand += 1  # a step someone waits for arrives during the first slice
+        return out
+
+    monkeypatch.setattr(policy_module, "score", scoring)
+    policy.forget_scores(prompts=False)
+    with pytest.raises(AheadStopped), policy.computing_ahead():
+        policy.score(prompts, continuations)
+    assert rows == [policy_module.AHEAD_SCORE_ROWS]
+    policy._demand -= 1
+    kept = policy.score(prompts, continuations)  # the step: only the rows not scored ahead
+    assert rows == [policy_module.AHEAD_SCORE_ROWS, 20 - policy_module.AHEAD_SCORE_ROWS]
+    policy.forget_scores(prompts=False)
+    whole = policy.score(prompts, continuations)
+    assert rows[-1] == 20
+    assert all(abs(a - b) < 1e-3 for x, y in zip(kept, whole) for a, b in zip(x, y))

@@ -108,6 +108,7 @@ class TracesCallbacks:
         view = RunCallbacks(self.services).view(session, message_html(
             f"Continuing episode {ep.id} after its {len(ep.steps)} step(s): press Step."
             + "".join(f" {n}" for n in session.take_notices())))
+        session.compute_ahead(self.services)  # its next step, while the person looks at where it stopped
         return (message_html(f"Episode {ep.id} continues in the Run tab."),
                 *[values.get(name, gr.skip()) for name in form_names], *view, gr.Tabs(selected="run"))
 
