@@ -31,8 +31,9 @@ pass over every tool description, a few seconds per user turn (`app.engine.propo
 
 AHEAD_POLL_S = 0.02
 """How often work ahead waiting for the model checks whether to stop."""
-AHEAD_SCORE_ROWS = 8
-"""Work ahead scores this many rows a turn at the model (`TransformersPolicy.score`)."""
+AHEAD_SCORE_TOKENS = 1024
+"""Work ahead scores about this many tokens a turn at the model (`TransformersPolicy.score`; a prompt shared by
+rows counts once)."""
 AHEAD_ENTRIES = 32
 """Generation results computed ahead (`TransformersPolicy.computing_ahead`) kept at most, until a call asks for
 them (a step makes three to five generate calls)."""
@@ -50,6 +51,22 @@ def _generation_key(rows: list[Row], constraints: list[Constraint | None], max_n
                                  default=str).encode())
         digest.update(b"|")
     return digest.digest()
+
+
+def _slices(prompt_of: list[int], prompt_ids: list[list[int]], cont_ids: list[list[int]], budget: int) -> list[slice]:
+    """Consecutive rows in slices of about `budget` tokens (each slice at least one row); a prompt that rows share
+    (`prompt_of`: the same id) counts once a slice."""
+    out, start, tokens, seen = [], 0, 0, set()
+    for i, (p, c) in enumerate(zip(prompt_ids, cont_ids)):
+        cost = len(c) + (0 if prompt_of[i] in seen else len(p))
+        if i > start and tokens + cost > budget:
+            out.append(slice(start, i))
+            start, tokens, seen = i, 0, set()
+            cost = len(c) + len(p)
+        tokens += cost
+        seen.add(prompt_of[i])
+    out.append(slice(start, len(prompt_ids)))
+    return out
 
 
 def _score_key(prompt: list[int], continuation: list[int]) -> bytes:
@@ -262,8 +279,7 @@ class TransformersPolicy:
         if getattr(self._computing_ahead, "on", False):
             # Work ahead scores in slices, each its own turn at the model: a step someone waits for then waits
             # for one slice at most (the channel's pass over a new task's tools took 2-4 s as one call).
-            for start in range(0, len(keys), AHEAD_SCORE_ROWS):
-                part = slice(start, start + AHEAD_SCORE_ROWS)
+            for part in _slices([id(p) for p in prompts], prompt_ids, cont_ids, AHEAD_SCORE_TOKENS):
                 with self._model():
                     self._score_missing(keys[part], prompt_ids[part], cont_ids[part])
         with self._model():
