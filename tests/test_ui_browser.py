@@ -1,6 +1,7 @@
 """The inspector in a real browser with the real embedded model (Debian's Chromium via Playwright).
 
-Pick a task, press Step twice, see branch cards with predicted and actual responses,
+Pick a task, press Step twice (the second step computed ahead while the page showed the first), see branch
+cards with predicted and actual responses,
 annotate one branch with a correction (an invalid one first), find the episode in the
 Traces tab and the annotation in the database. Saves docs/screenshot-run.png, the
 screenshot the README shows.
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+import model_backend.policy as policy_module
+from app.service import session as session_module
 from app.ui import build_demo
 from browser import launch
 from app.ui import constants as C
@@ -48,7 +53,7 @@ def page(served):
         browser.close()
 
 
-def test_step_annotate_and_find_it(served, page):
+def test_step_annotate_and_find_it(served, page, monkeypatch):
     from playwright.sync_api import expect
 
     demo, url = served
@@ -76,12 +81,29 @@ def test_step_annotate_and_find_it(served, page):
 
     status = page.locator(f"#{C.ID_RUN_STATUS}")
     stop = page.locator(f"#{C.ID_RUN_STOP}")
+    passes = []
     for n in (1, 2):
         expect(stop).not_to_have_class(re.compile(r"\bstop\b"))  # neutral while idle
+        if n == 2:
+            # While the page showed step 1, the server computed step 2 ahead: once that is done, Step only
+            # looks it up (no generate or score pass).
+            deadline = time.monotonic() + STEP_TIMEOUT_MS / 1000
+            while any(t.is_alive() for t in list(session_module._AHEAD)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for name in ("generate", "score"):  # passes of the step itself (step 3 is then computed ahead)
+                real = getattr(policy_module, name)
+
+                def counted(*a, _real=real, _name=name, **k):
+                    if threading.current_thread().name != session_module.AHEAD_THREAD:
+                        passes.append(_name)
+                    return _real(*a, **k)
+
+                monkeypatch.setattr(policy_module, name, counted)
         page.get_by_role("button", name=C.STEP, exact=True).click()
         if n == 1:
             expect(stop).to_have_class(re.compile(r"\bstop\b"))  # red while the step runs
         expect(status).to_contain_text(f", {n} step(s)", timeout=STEP_TIMEOUT_MS)
+    assert passes == [], f"step 2 ran {passes} though it was computed ahead"
     expect(stop).not_to_have_class(re.compile(r"\bstop\b"))
     cards = page.locator(f"#{C.ID_CARDS} .ea-card")
     expect(cards.first).to_be_visible()

@@ -120,6 +120,8 @@ def _load_real_policy(model: str, adapter: str | None) -> Any:
 # ---------------------------------------------------------------- one session's run
 
 
+AHEAD_THREAD = "envace-compute-ahead"
+"""The name of a thread that computes a step ahead."""
 _AHEAD: "weakref.WeakKeyDictionary[threading.Thread, threading.Event]" = weakref.WeakKeyDictionary()
 """Every session's work ahead still running, with its cancel event."""
 
@@ -221,7 +223,7 @@ class RunSession:
         self._start(work, cancel)
 
     def _start(self, work: Callable[[], None], cancel: threading.Event) -> None:
-        self._ahead = threading.Thread(target=work, name="envace-compute-ahead", daemon=True)
+        self._ahead = threading.Thread(target=work, name=AHEAD_THREAD, daemon=True)
         _AHEAD[self._ahead] = cancel
         self._ahead.start()
 
