@@ -44,11 +44,14 @@ def _generation_key(rows: list[Row], constraints: list[Constraint | None], max_n
     constraint, and the token budget."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(str(max_new_tokens).encode())
+    grammars: dict[int, str] = {}  # K rows share one constraint (all the step's tool schemas): dumped once
     for row, constraint in zip(rows, constraints):
         digest.update(array("l", row.ids).tobytes())
-        grammar = None if constraint is None else dataclasses.asdict(constraint)
-        digest.update(json.dumps([row.temperature, row.top_p, row.seed, list(row.stop), grammar], sort_keys=True,
-                                 default=str).encode())
+        if id(constraint) not in grammars:
+            grammars[id(constraint)] = json.dumps(None if constraint is None else dataclasses.asdict(constraint),
+                                                  sort_keys=True, default=str)
+        digest.update(json.dumps([row.temperature, row.top_p, row.seed, list(row.stop)]).encode())
+        digest.update(grammars[id(constraint)].encode())
         digest.update(b"|")
     return digest.digest()
 
