@@ -15,7 +15,7 @@ from app.engine import EpisodeRunner
 from app.envs.mock import MockEnvironment
 from app.records import RunSettings
 from app.service.catalog import RunRequest
-from app.service.session import RunSession, Services
+from app.service.session import AheadStatus, RunSession, Services
 from app.ui.run_callbacks import RunCallbacks, form_from_request
 from model_backend import GenerationConfig, Prompt, load_policy
 from model_backend.policy import TransformersPolicy
@@ -139,28 +139,38 @@ def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, 
                          settings=SETTINGS)
     form = {**form_from_request(request), "instruction": "", "instruction_env": ""}
     session = RunSession()
+    assert session.ahead_status() == AheadStatus("none") and run.ahead_line(session) == ""
     list(run.step(session, progress=lambda *a, **k: None, **form))
     assert session.episode is not None and len(session.episode.steps) == 1
+    computing = session.ahead_status()  # the page's line, read while the person reads step 0
+    assert computing.state == "computing" and computing.step == 1, computing
+    assert run.ahead_line(session).startswith("Computing step 1 ahead")
     assert session.wait_ahead(timeout=300)
+    ready = session.ahead_status()
+    assert ready.state == "ready" and ready.step == 1 and ready.seconds > 0, ready
+    assert run.ahead_line(session).startswith("✓ Step 1 is computed ahead")
     model_calls.update(generate=0, score=0)
     list(run.step(session, progress=lambda *a, **k: None, **form))
     assert len(session.episode.steps) == 2 and model_calls == {"generate": 0, "score": 0}
     assert session.computing_ahead or session.runner.done  # the third step is on its way
+    assert session.ahead_status().step == 2
     first = session.episode.id
     run.reset(session, **form)  # stops that, and prepares the task's first step in a new episode
     assert session.wait_ahead(timeout=300)
     assert session.runner is not None and session.episode.id != first and not session.episode.steps
+    assert session.ahead_status().state == "ready" and session.ahead_status().step == 0
     model_calls.update(generate=0, score=0)
     list(run.step(session, progress=lambda *a, **k: None, **form))
     assert len(session.episode.steps) == 1 and model_calls == {"generate": 0, "score": 0}
     session.reset(services)
     assert not session.computing_ahead and session.runner is None
+    assert session.ahead_status() == AheadStatus("none") and run.ahead_line(session) == ""
     off = Services(str(tmp_path / "off.db"), policy_loader=lambda model, adapter: policy, compute_ahead=False)
     session.prepare(off, request)
     assert not session.computing_ahead and session.runner is None
     session.step(off, request)
     session.compute_ahead(off)
-    assert not session.computing_ahead
+    assert not session.computing_ahead and session.ahead_status() == AheadStatus("none")
 
 
 def test_a_failure_while_computing_ahead_is_logged_and_step_computes_the_step(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -80,16 +79,15 @@ def test_step_annotate_and_find_it(served, page, monkeypatch):
     page.get_by_label("Max rehearsal tokens").fill("48")
 
     status = page.locator(f"#{C.ID_RUN_STATUS}")
+    ahead = page.locator(f"#{C.ID_RUN_AHEAD}")
     stop = page.locator(f"#{C.ID_RUN_STOP}")
     passes = []
     for n in (1, 2):
         expect(stop).not_to_have_class(re.compile(r"\bstop\b"))  # neutral while idle
         if n == 2:
-            # While the page showed step 1, the server computed step 2 ahead: once that is done, Step only
-            # looks it up (no generate or score pass).
-            deadline = time.monotonic() + STEP_TIMEOUT_MS / 1000
-            while any(t.is_alive() for t in list(session_module._AHEAD)) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            # While the page showed step 0, the server computed step 1 ahead, and the line under the buttons
+            # says so (a timer asks); once it is done, Step only looks it up (no generate or score pass).
+            expect(ahead).to_contain_text("Step 1 is computed ahead", timeout=STEP_TIMEOUT_MS)
             for name in ("generate", "score"):  # passes of the step itself (step 3 is then computed ahead)
                 real = getattr(policy_module, name)
 

@@ -13,8 +13,8 @@ nothing here imports Gradio.
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
-from app.service.session import RunSession, Services
+from app.service.session import AheadStatus, RunSession, Services
 
-__all__ = ["ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
+__all__ = ["AheadStatus", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
            "build_annotation", "first_difference", "parse_number", "parse_settings",
            "task_turns"]

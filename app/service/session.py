@@ -12,8 +12,10 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal
 
 from app import envs
 from app.engine import selection
@@ -120,6 +122,17 @@ def _load_real_policy(model: str, adapter: str | None) -> Any:
 # ---------------------------------------------------------------- one session's run
 
 
+@dataclass(frozen=True)
+class AheadStatus:
+    """What a session's computing ahead is doing, for the Run tab's line under the buttons."""
+    state: Literal["none", "computing", "ready"]
+    """none: nothing computed ahead (off, stopped, refused, failed, or taken by the step just run)."""
+    step: int | None = None
+    """The index of the step computed ahead."""
+    seconds: float | None = None
+    """How long it has run (computing) or took (ready)."""
+
+
 AHEAD_THREAD = "envace-compute-ahead"
 """The name of a thread that computes a step ahead."""
 _AHEAD: "weakref.WeakKeyDictionary[threading.Thread, threading.Event]" = weakref.WeakKeyDictionary()
@@ -152,6 +165,10 @@ class RunSession:
         """A stored episode was just continued: the next Step carries on with it."""
         self._ahead: threading.Thread | None = None
         self._ahead_cancel = threading.Event()
+        self._ahead_step = 0
+        self._ahead_started = 0.0
+        self._ahead_took: float | None = None
+        """Set when the work ahead computed its whole step."""
 
     def __deepcopy__(self, memo: dict) -> RunSession:
         # gr.State deep-copies its default per session: a fresh run, never a shared one.
@@ -191,11 +208,11 @@ class RunSession:
 
         def work() -> None:
             try:
-                runner.compute_ahead(cancel)
+                self._computed(runner.compute_ahead(cancel))
             except Exception:  # the step itself will meet (and report) whatever failed here
                 log.warning("computing the next step ahead failed in episode %s", runner.episode.id, exc_info=True)
 
-        self._start(work, cancel)
+        self._start(work, cancel, len(runner.episode.steps))
 
     def prepare(self, services: Services, request: RunRequest) -> None:
         """A task (or typed instruction) picked with no episode in progress: open its episode and compute its
@@ -216,13 +233,14 @@ class RunSession:
                 return
             try:
                 self._open(services, request)
-                self.runner.compute_ahead(cancel)
+                self._computed(self.runner.compute_ahead(cancel))
             except Exception:
                 log.info("could not prepare the first step of %s", request.task_id, exc_info=True)
 
-        self._start(work, cancel)
+        self._start(work, cancel, 0)
 
-    def _start(self, work: Callable[[], None], cancel: threading.Event) -> None:
+    def _start(self, work: Callable[[], None], cancel: threading.Event, step: int) -> None:
+        self._ahead_step, self._ahead_took, self._ahead_started = step, None, time.perf_counter()
         self._ahead = threading.Thread(target=work, name=AHEAD_THREAD, daemon=True)
         _AHEAD[self._ahead] = cancel
         self._ahead.start()
@@ -234,6 +252,20 @@ class RunSession:
             self._ahead_cancel.set()
             self._ahead.join()
             self._ahead = None
+
+    def _computed(self, whole: bool) -> None:
+        if whole and threading.current_thread() is self._ahead:  # not an earlier pick's work, still ending
+            self._ahead_took = time.perf_counter() - self._ahead_started
+
+    def ahead_status(self) -> AheadStatus:
+        thread = self._ahead
+        if thread is None:
+            return AheadStatus("none")
+        if thread.is_alive():
+            return AheadStatus("computing", self._ahead_step, time.perf_counter() - self._ahead_started)
+        if self._ahead_took is not None:
+            return AheadStatus("ready", self._ahead_step, self._ahead_took)
+        return AheadStatus("none")
 
     @property
     def computing_ahead(self) -> bool:

@@ -69,6 +69,9 @@ FT_PREVIEW, FT_RUN = "Preview data", "Fine-tune"
 # Element ids used by the keyboard script and the browser test.
 ID_RUN_MESSAGE = "run-message"
 ID_RUN_STATUS = "run-status"
+ID_RUN_AHEAD = "run-ahead"
+AHEAD_POLL_S = 1.0
+"""How often the Run tab asks whether the next step is computed ahead (a `gr.Timer`)."""
 ID_CARDS = "run-cards"
 ID_RUN_STOP = "run-stop"
 CLASS_FULL_ON_HOVER = "ea-full-on-hover"

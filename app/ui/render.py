@@ -18,6 +18,7 @@ from deepdiff import DeepDiff
 
 from app.formats import canonical_json
 from app.records import Branch, Episode, Step
+from app.service import AheadStatus
 
 PRE_CHARS = 4000
 """Longest JSON shown in a card before it is cut (the full value stays in the store)."""
@@ -318,6 +319,16 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
             f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
+
+
+def ahead_line(status: AheadStatus) -> str:
+    """The Run tab's line under the buttons: whether the next step is being computed ahead, or is ready."""
+    if status.state == "computing":
+        return (f"Computing step {status.step} ahead while you read ({status.seconds:.0f} s so far): "
+                "Step now waits only for what is left.")
+    if status.state == "ready":
+        return f"✓ Step {status.step} is computed ahead (in {status.seconds:.1f} s): Step only commits it."
+    return ""
 
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",

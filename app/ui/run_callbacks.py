@@ -63,6 +63,9 @@ class RunCallbacks:
 
     # ------------------------------------------------------------ views
 
+    def ahead_line(self, session: RunSession) -> str:
+        return render.ahead_line(session.ahead_status())
+
     def view(self, session: RunSession, message: str = "") -> RunView:
         notices = session.take_notices()
         if notices and not message:

@@ -76,6 +76,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 reset_btn = gr.Button(C.RESET)
             message = gr.HTML("", elem_id=C.ID_RUN_MESSAGE, css_template=VIEW_CSS)
             status = gr.Markdown(render.episode_status(None, "Press Step to start."), elem_id=C.ID_RUN_STATUS)
+            ahead = gr.Markdown("", elem_id=C.ID_RUN_AHEAD)
+            ahead_timer = gr.Timer(C.AHEAD_POLL_S, active=services.compute_ahead)
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=320):
                     chat = gr.Chatbot(cb.preview_chat({"source": C.SOURCE_TASK, "task": C.DEFAULT_TASK}),
@@ -112,6 +114,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     say_btn.click(cb.say, api_name="say_as_user", **say)
     user_text.submit(cb.say, api_visibility="private", **say)
     timeline.input(cb.show_step, [session, timeline], [cards, state_view], api_name="show_step")
+    # Outside the queue: a lookup, it must not wait behind steps.
+    ahead_timer.tick(cb.ahead_line, [session], ahead, queue=False, show_progress="hidden", api_visibility="private")
 
     source.change(cb.toggle_source, source, [task_group, instruction_group], api_visibility="private")
     env_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_name="filter_tasks")
