@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_weights.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
-           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py"]
+           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py", "bench_rehearse_format.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -54,6 +54,11 @@ def table() -> str:
         rows.append("| computing a step ahead takes, p50 K=1 / K=4: a task's first step / a later one | "
                     + " / ".join(f"{fmt(ahead[k]['ahead_first_p50_s'], ' s')}, {fmt(ahead[k]['ahead_later_p50_s'], ' s')}"
                                  for k in ("1", "4")) + " | |")
+    continued = load("rehearse_format")
+    if "ratio_continued" in continued:
+        rows.append("| K=4 / K=1 step p50 with a Rehearse prompt continuing the Act prompt (speed side only, untrained; "
+                    f"`bench_rehearse_format.py`; {fmt(continued['ratio_today'], 'x')} today in the same run) | "
+                    f"{fmt(continued['ratio_continued'], 'x')} | <= 1.3x |")
     dec = load("decode")
     d, b, sp, st = (dec.get(k, {}) for k in ("decode", "bound", "shared_prefix", "startup"))
     for value, label, goal in (
