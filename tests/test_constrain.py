@@ -302,6 +302,32 @@ def test_jump_forward_keeps_sampled_candidates(policy: Any) -> None:
     assert len(set(texts[True])) > 1, texts[True]
 
 
+@pytest.mark.parametrize("cheap", [True, False], ids=["uniforms", "fallback"])
+def test_skipping_draws_leaves_the_generator_as_real_draws_do(cheap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_skip_draws` past n forced tokens leaves a seeded generator where n one-sample draws over the vocabulary
+    leave it, on torch's cheap path (the uniforms alone) and on the fallback (real draws), so the next sampled
+    token is the same either way."""
+    import torch
+
+    from model_backend import decoding
+
+    vocab = 49_152
+    if not cheap:
+        monkeypatch.setattr(decoding, "_draw_is_uniforms", lambda vocab_size: False)
+    else:
+        assert decoding._draw_is_uniforms(vocab), "this torch draws differently: the cheap path is never taken"
+    probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(1)), dim=-1)
+    for n in (0, 1, 7):
+        drawn, skipped = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        one_hot = torch.zeros(vocab)
+        one_hot[3] = 1.0
+        for _ in range(n):
+            assert torch.multinomial(one_hot, 1, generator=drawn).item() == 3
+        decoding._skip_draws(skipped, vocab, n)
+        assert torch.equal(drawn.get_state(), skipped.get_state()), n
+        assert (torch.multinomial(probs, 1, generator=drawn).item()
+                == torch.multinomial(probs, 1, generator=skipped).item())
+
 @pytest.mark.slow
 def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> None:
     """`proposal=tools` on the real model: K candidates that name K distinct tools, the alternatives in the
