@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from common import write_results
+from common import paired_ratio, write_results
 from tqdm import tqdm
 
 from app import envs
@@ -132,8 +132,10 @@ def main() -> None:
     one, four = out["by_k"]["1"], out["by_k"]["4"]
     out["ratio_today"] = round(four["step_p50_s"] / one["step_p50_s"], 2)
     out["ratio_continued"] = round(four["step_p50_continued_s"] / one["step_p50_continued_s"], 2)
+    out["paired_today"] = paired_ratio(one["per_step"], four["per_step"])
+    out["paired_continued"] = paired_ratio(one["per_step"], four["per_step"], "estimated_s")
     print(f"K=4 / K=1 (p50): {out['ratio_today']} today, {out['ratio_continued']} with the Act-continued Rehearse "
-          "prompt (goal 1.3)")
+          f"prompt (goal 1.3); per (task, step) pair, median {out['paired_today']} -> {out['paired_continued']}")
     write_results("rehearse_format", out)
 
 

@@ -8,6 +8,9 @@ and the rest of the engine (parsing, metrics, dedup). The product's defaults hol
 decoding, shadow execution, the prefix cache, sampled alternatives (`--proposal tools` for the other kind). Writes `bench/results/step_latency.json` and a
 plotly stacked bar `bench/results/step_breakdown.html` (and .png when kaleido is installed).
 
+`--profile`: cProfile over every step instead (profiler overhead included, so no latency file is written):
+the functions with the most time of their own per K, with their share, in `bench/results/step_profile.json`.
+
 `--ahead`: as the Run tab does, each step is computed ahead while a person would read the task picked or the
 last step (`EpisodeRunner.compute_ahead`, timed apart: the reading time the wait assumes), then Step is timed:
 the wait. Writes `bench/results/step_latency_ahead.json`.
@@ -15,12 +18,14 @@ the wait. Writes `bench/results/step_latency_ahead.json`.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, write_results
+from common import RESULTS, paired_ratio, write_results
 from tqdm import tqdm
 
 from app import envs
@@ -34,13 +39,18 @@ PHASES = ["act.tokenize", "act.prefill", "act.decode", "rehearse.tokenize", "reh
           "rehearse.decode", "scoring", "shadow", "commit", "engine other", "store write", "UI render"]
 
 
-def step_phases(runner: EpisodeRunner, recorder: Recorder, task: envs.Task) -> tuple[dict[str, float], bool]:
-    """One step's seconds per phase (and whether the episode is over)."""
+def step_phases(runner: EpisodeRunner, recorder: Recorder, task: envs.Task,
+                profile: cProfile.Profile | None = None) -> tuple[dict[str, float], bool]:
+    """One step's seconds per phase (and whether the episode is over); `profile` profiles the step itself."""
     policy = runner.policy
     policy.timings.take()
     runner.timings.take()
     t0 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     step = runner.step()
+    if profile is not None:
+        profile.disable()
     total = time.perf_counter() - t0
     phases = {**policy.timings.take(), **runner.timings.take()}
     phases["scoring"] = phases.pop("score.tokenize", 0.0) + phases.pop("score.forward", 0.0)
@@ -55,6 +65,15 @@ def step_phases(runner: EpisodeRunner, recorder: Recorder, task: envs.Task) -> t
     render.episode_status(runner.episode)
     phases["UI render"] = time.perf_counter() - t2
     return {p: phases.get(p, 0.0) for p in PHASES}, runner.done
+
+
+def top_functions(profile: cProfile.Profile, n: int = 20) -> list[dict]:
+    """The `n` functions with the most time of their own, with their share of all profiled time."""
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, callers)}
+    total = sum(own for _, _, own, _, _ in stats.values())
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:n]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls, "own_s": round(own, 3),
+             "share": round(own / total, 3)} for (file, line, name), (calls, _, own, _, _) in rows]
 
 
 def figure(rows: dict[str, dict]) -> None:
@@ -86,6 +105,8 @@ def main() -> None:
                         help="compute each step ahead first (the Run tab's reading time), then time Step")
     parser.add_argument("--torch-step", action="store_true",
                         help="the native decode step off (writes step_latency_torch_step.json): the same-day baseline")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the steps (writes step_profile.json only: the profiler slows them)")
     args = parser.parse_args()
 
     import model_backend
@@ -97,13 +118,16 @@ def main() -> None:
     task_ids = envs.list_tasks("multi_turn_base", "heldout")[: args.tasks]
     store = Store(Path(tempfile.mkdtemp()) / "bench.db")
     rows: dict[str, dict] = {}
+    profiles: dict[str, list[dict]] = {}
     for k in [int(k) for k in args.ks.split(",")]:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
                                proposal=args.proposal, relevance=args.relevance)
         runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         policy.forget_scores()  # each K starts with no tool line encoded
+        profile = cProfile.Profile() if args.profile else None
         totals: list[float] = []
+        per_step: list[dict] = []
         first: list[float] = []  # each task's first step
         later: list[float] = []
         ahead_first: list[float] = []  # --ahead: seconds a first step took to compute ahead (the Run tab: while
@@ -123,8 +147,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     assert runner.compute_ahead()
                     (ahead_later if i > 0 else ahead_first).append(time.perf_counter() - t0)
-                phases, done = step_phases(runner, recorder, task)
+                phases, done = step_phases(runner, recorder, task, profile)
                 totals.append(sum(phases.values()))
+                per_step.append({"task": task_id, "step": i, "seconds": round(totals[-1], 3)})
                 (later if i > 0 else first).append(totals[-1])
                 for p in PHASES:
                     sums[p] += phases[p]
@@ -136,7 +161,9 @@ def main() -> None:
                         "p90_s": round(sorted(totals)[int(0.9 * (n - 1))], 2),
                         "mean_phase_s": {p: round(sums[p] / n, 3) for p in PHASES},
                         "first_steps_p50_s": round(statistics.median(first), 2),
-                        "later_steps_p50_s": round(statistics.median(later), 2)}
+                        "later_steps_p50_s": round(statistics.median(later), 2), "per_step": per_step}
+        if profile is not None:
+            profiles[str(k)] = top_functions(profile)
         if args.ahead:
             row = rows[str(k)]
             row["ahead_first_p50_s"] = round(statistics.median(ahead_first), 2)
@@ -149,8 +176,16 @@ def main() -> None:
               ", ".join(f"{p} {v:.2f}" for p, v in rows[str(k)]["mean_phase_s"].items()))
     if "1" in rows and "4" in rows:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
+        rows["4"]["paired_median_ratio"] = paired_ratio(rows["1"]["per_step"], rows["4"]["per_step"])
         goals = "" if args.ahead else " (goal <= 1.3, for the step's compute)"
-        print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']}{goals}; K=4 p50 {rows['4']['p50_s']} s")
+        print(f"K=4 / K=1 (p50): {rows['4']['ratio_to_k1']}{goals}; K=4 p50 {rows['4']['p50_s']} s; "
+              f"per (task, step) pair, median {rows['4']['paired_median_ratio']}")
+    if args.profile:
+        for k, top in profiles.items():
+            print(f"K={k}, most time of their own: " + ", ".join(f"{f['function']} {f['share']:.0%}" for f in top[:6]))
+        write_results("step_profile", {"adapter": SHIPPED_ADAPTER.name, "tasks": task_ids,
+                                       "steps_per_task": args.steps, "top_functions": profiles})
+        return
     if not (args.torch_step or args.ahead):
         figure(rows)
     name = "step_latency_torch_step" if args.torch_step else "step_latency_ahead" if args.ahead else "step_latency"

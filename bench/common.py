@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,3 +41,11 @@ def write_results(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
     return path
+
+
+def paired_ratio(k1: list[dict], k4: list[dict], field: str = "seconds") -> float:
+    """Median over (task, step) pairs of K=4's `field` over K=1's. Unlike a ratio of two p50s, it does not
+    hang on where one median falls (a third of the steps are a task's first, several times the others)."""
+    one = {(r["task"], r["step"]): r[field] for r in k1}
+    return round(statistics.median(r[field] / one[(r["task"], r["step"])] for r in k4
+                                   if (r["task"], r["step"]) in one), 2)

@@ -38,6 +38,8 @@ def table() -> str:
         if "p50_s" not in r:
             continue  # the older format (base model, one task)
         ratio = f", {fmt(r['ratio_to_k1'], 'x')} of K=1" if "ratio_to_k1" in r else ""
+        if "paired_median_ratio" in r:
+            ratio += f" (per task and step, median {fmt(r['paired_median_ratio'], 'x')})"
         top = max(r["mean_phase_s"].items(), key=lambda kv: kv[1])
         rows.append(f"| step p50, shipped adapter, parallel K={k}, {len(step['tasks'])} held-out tasks "
                     f"(largest phase: {top[0]}, {fmt(top[1], ' s')}) | {fmt(r['p50_s'], ' s')}{ratio} | "
@@ -58,7 +60,10 @@ def table() -> str:
     if "ratio_continued" in continued:
         rows.append("| K=4 / K=1 step p50 with a Rehearse prompt continuing the Act prompt (speed side only, untrained; "
                     f"`bench_rehearse_format.py`; {fmt(continued['ratio_today'], 'x')} today in the same run) | "
-                    f"{fmt(continued['ratio_continued'], 'x')} | <= 1.3x |")
+                    f"{fmt(continued['ratio_continued'], 'x')}" + (
+                        f" (per task and step, median {fmt(continued['paired_today'], 'x')} -> "
+                        f"{fmt(continued['paired_continued'], 'x')})" if "paired_continued" in continued else "")
+                    + " | <= 1.3x |")
     dec = load("decode")
     d, b, sp, st = (dec.get(k, {}) for k in ("decode", "bound", "shared_prefix", "startup"))
     for value, label, goal in (
