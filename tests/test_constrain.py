@@ -328,6 +328,7 @@ def test_skipping_draws_leaves_the_generator_as_real_draws_do(cheap: bool, monke
         assert (torch.multinomial(probs, 1, generator=drawn).item()
                 == torch.multinomial(probs, 1, generator=skipped).item())
 
+
 @pytest.mark.slow
 def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> None:
     """`proposal=tools` on the real model: K candidates that name K distinct tools, the alternatives in the
