@@ -178,8 +178,7 @@ def hf_generate(model: Any, ids: list[int]) -> Callable[[int], Any]:
 
 
 def weight_bytes(model: Any) -> int:
-    """Weight bytes one decode step reads: every linear layer (quantized ones at their stored size: int8
-    or fp16 values plus fp32 per-channel scales) and the norms; the embedding table only where it is also
+    """Weight bytes one decode step reads: every linear layer (fp16 ones at their stored size) and the norms; the embedding table only where it is also
     the LM head (tied, fp32), since the lookup itself reads one row."""
     import torch.ao.nn.quantized.dynamic as qd
 
@@ -188,9 +187,7 @@ def weight_bytes(model: Any) -> int:
     for module in model.modules():
         if isinstance(module, qd.Linear):
             weight, _ = module._packed_params._weight_bias()  # unpacked: fp16 ones come back as fp32
-            total += weight.numel() * (1 if weight.is_quantized else 2)
-            if weight.is_quantized:
-                total += weight.shape[0] * 4
+            total += weight.numel() * 2
     for param in model.parameters():
         if param is not embedding or model.get_output_embeddings().weight is embedding:
             total += param.numel() * param.element_size()
@@ -220,16 +217,15 @@ def main() -> None:
     results["prompt_tokens"] = len(ids)
     print(f"prompt: {len(ids)} tokens")
 
-    # (a) decode speed. Batch 1: the lean step, the previous path through model(...), and fp16 (the CPU
-    # default) and int8 linear weights (ENVACE_WEIGHTS), interleaved; batch 4 of one prompt (K candidates).
-    quantized = {w: load_policy("embedded", weights=w) for w in ("fp16", "int8")}
+    # (a) decode speed. Batch 1: the lean step, the previous path through model(...), and fp16 linear weights
+    # (the CPU default, ENVACE_WEIGHTS), interleaved; batch 4 of one prompt (K candidates).
+    quantized = {"fp16": load_policy("embedded", weights="fp16")}
     batch1 = loop_rates({"fp32": policy, "fp32:generic": policy, **quantized, "fp16:torch": quantized["fp16"]}, ids,
                         new_tokens, repeats + 1)
     speed = {
         "ours_batch1_tok_s": batch1["fp32"],
         "ours_batch1_generic_tok_s": batch1["fp32:generic"],
         "ours_batch1_fp16_tok_s": batch1["fp16"],
-        "ours_batch1_int8_tok_s": batch1["int8"],
         "ours_batch1_fp16_torch_step_tok_s": batch1["fp16:torch"],
         "native_decode": native.status(),
         # batch 4 of one prompt (K candidates, four different sequences: their last prompt token differs): our
@@ -248,8 +244,7 @@ def main() -> None:
     results["decode"] = speed
     print(f"(a) decode at {len(ids)} tokens of context: ours batch 1 {speed['ours_batch1_tok_s']:.1f} tok/s "
           f"(through model(...): {speed['ours_batch1_generic_tok_s']:.1f}; fp16 weights "
-          f"{speed['ours_batch1_fp16_tok_s']:.1f}, through the torch step {speed['ours_batch1_fp16_torch_step_tok_s']:.1f}, "
-          f"int8 {speed['ours_batch1_int8_tok_s']:.1f}), "
+          f"{speed['ours_batch1_fp16_tok_s']:.1f}, through the torch step {speed['ours_batch1_fp16_torch_step_tok_s']:.1f}), "
           f"batch 4 {speed['ours_batch4_tok_s']:.1f} tok/s total (fp16 {speed['ours_batch4_fp16_tok_s']:.1f}, through the "
           f"torch step {speed['ours_batch4_fp16_torch_step_tok_s']:.1f}); generate batch 1 "
           f"{speed['hf_generate_batch1_tok_s']:.1f} tok/s; ours bf16 batch 1 {speed['ours_batch1_bf16_tok_s']:.1f} tok/s")
@@ -304,7 +299,7 @@ def main() -> None:
     elif RESULTS.exists() and "startup" in json.loads(RESULTS.read_text()):
         results["startup"] = {**json.loads(RESULTS.read_text())["startup"], "from_an_earlier_run": True}
 
-    # (e) what fp16/int8 weights change on held-out work: bench/bench_weights.py
+    # (e) what fp16 weights change on held-out work: bench/bench_weights.py
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

@@ -98,7 +98,7 @@ def main() -> None:
     from model_backend.loading import embedded_gguf_path
 
     torch.set_num_threads(args.threads)
-    variants = {w: load_policy("embedded", weights=w) for w in ("fp32", "fp16", "int8")}
+    variants = {w: load_policy("embedded", weights=w) for w in ("fp32", "fp16")}
     for policy in variants.values():
         policy.prefix_cache = None  # every round encodes the whole prompt
     fp32 = variants["fp32"]

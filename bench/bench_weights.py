@@ -1,4 +1,4 @@
-"""What fp16 and int8 linear weights change on held-out work: teacher-forced Act and Rehearse of the shipped
+"""What fp16 linear weights change on held-out work: teacher-forced Act and Rehearse of the shipped
 adapter, each weights format against fp32.
 
 Every Act and Rehearse row of the expert replays of the first held-out BFCL tasks (never trained on):
@@ -8,7 +8,7 @@ real response, canonical JSON), and how many texts equal fp32's. Not a speed ben
 for scale only.
 
 Writes bench/results/weights.json. Run: `.venv/bin/python bench/bench_weights.py [--tasks 12]
-[--formats fp32,fp16,int8]`. The native decode step against the torch one, on the same rows:
+[--formats fp32,fp16]`. The native decode step against the torch one, on the same rows:
 `--formats fp16,fp16-torch --name native_text` (bench/results/native_text.json).
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def run(weights: str, rows: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tasks", type=int, default=12, help="first N held-out tasks")
-    parser.add_argument("--formats", default="fp32,fp16,int8",
-                        help="fp32, fp16, int8, and fp16-torch (fp16 with the native decode step off)")
+    parser.add_argument("--formats", default="fp32,fp16",
+                        help="fp32, fp16, and fp16-torch (fp16 with the native decode step off)")
     parser.add_argument("--name", default="weights", help="results file: bench/results/NAME.json")
     args = parser.parse_args()
     formats = args.formats.split(",")

@@ -79,8 +79,6 @@ def table() -> str:
         (d.get("ours_batch4_fp16_torch_step_tok_s"), "decode tokens/s, batch 4, all rows, fp16 weights, the torch step (native off)", ""),
         (b.get("fp16", {}).get("ratio_batch1"), f"fp16: batch-1 decode / its bound ({fmt(b.get('fp16', {}).get('weight_bytes'))} weight bytes)", ">= 0.70"),
         (b.get("fp16", {}).get("ratio_batch1_best_read"), f"fp16: the same at torch's all-thread read ({fmt(b.get('torch_read_gb_s'))} GB/s), the stricter bound", ">= 0.70"),
-        (d.get("ours_batch1_int8_tok_s"), "decode tokens/s, batch 1, int8 weights (`ENVACE_WEIGHTS=int8`)", ""),
-        (b.get("int8", {}).get("ratio_batch1"), f"int8: batch-1 decode / its bound ({fmt(b.get('int8', {}).get('weight_bytes'))} weight bytes)", ">= 0.70"),
         (sp.get("speedup"), f"shared-prefix batched K=4 vs 4x plain `generate` (same outputs: {all(sp.get('same_outputs', [False]))})", ">= 2.5x"),
         (st.get("cold_s"), "cold start: GGUF conversion + load, s", ""),
         (st.get("warm_s"), "warm start: from the safetensors cache, s", ""),
@@ -90,7 +88,7 @@ def table() -> str:
     quality = load("weights")
     if quality.get("formats"):
         f, n = quality["formats"], quality["rows"]
-        names = [w for w in ("fp32", "fp16", "int8") if w in f]
+        names = [w for w in ("fp32", "fp16") if w in f]
         rows.append(f"| teacher-forced held-out rows ({len(quality['tasks'])} tasks, {n['act']} Act, {n['rehearse']} "
                     f"Rehearse), {' / '.join(names)}: Act exact; Rehearse exact; text equal to fp32's | "
                     f"{' / '.join(str(f[w]['act_exact']) for w in names)}; "
@@ -110,7 +108,7 @@ def table() -> str:
         rows.append(f"| llama.cpp ({cpp['version']}, {peer['gguf']['file']}, {fmt(cpp['weight_bytes_per_token'])} bytes "
                     f"a token), {peer['threads']} thread(s), load average {load_avg}: decode / prompt tokens/s | "
                     f"{fmt(cpp['decode_tok_s'])} / {fmt(cpp['prompt_tok_s'])} | |")
-        for name in ("fp32", "fp16", "int8"):
+        for name in ("fp32", "fp16"):
             if name in e:
                 rows.append(f"| ours, {name} weights, same run: decode / prompt tokens/s (llama.cpp's decode / ours) | "
                             f"{fmt(e[name]['decode_tok_s'])} / {fmt(e[name]['prompt_tok_s'])} "

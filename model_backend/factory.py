@@ -30,7 +30,7 @@ def load_policy(
 ) -> TransformersPolicy:
     """A `TransformersPolicy`, loaded once per process for each (spec, adapter, device);
     an `OpenAIPolicy` for an `openai:` spec (checked against the server, never cached: a restarted
-    server is seen again). `weights`: `fp32`, `fp16` or `int8` linear weights (local CPU models; default
+    server is seen again). `weights`: `fp32` or `fp16` linear weights (local CPU models; default
     $ENVACE_WEIGHTS, else fp16 on a CPU and the model's own dtype on a GPU)."""
     parsed = parse_spec(spec)
     if parsed.kind == "openai":

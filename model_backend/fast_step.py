@@ -104,7 +104,7 @@ class NativeLinear(qd.Linear):
 
 
 def _linear_types() -> tuple[type, ...]:
-    return (torch.nn.Linear, qd.Linear, NativeLinear)  # plain, or `loading.quantize_linears`'s fp16/int8
+    return (torch.nn.Linear, qd.Linear, NativeLinear)  # plain, or `loading.quantize_linears`'s fp16
 
 
 def _is_fp16_dynamic(module: Any) -> bool:
@@ -124,7 +124,7 @@ def _with_native(weight: torch.Tensor, fallback: Linear) -> Linear:
 def fused_linear(modules: Sequence[Any]) -> Linear:
     """One function computing `torch.cat([m(h) for m in modules], -1)` as a single matrix product where the
     weights allow it: plain fp32 `nn.Linear`s (weights concatenated) or fbgemm fp16 ones (re-packed).
-    Anything else (int8 with per-channel scales) stays separate products, concatenated."""
+    Anything else stays separate products, concatenated."""
     if all(type(m) is torch.nn.Linear for m in modules):
         weight = torch.cat([m.weight.detach() for m in modules])
         biases = [m.bias for m in modules]

@@ -249,13 +249,14 @@ def apply_adapter(loaded: LoadedModel, adapter: str | os.PathLike[str], identiti
 
 
 WEIGHTS_ENV = "ENVACE_WEIGHTS"
-WEIGHT_FORMATS = ("fp32", "fp16", "int8")
+WEIGHT_FORMATS = ("fp32", "fp16")
 """How the linear layers' weights are held for CPU inference (`weights=` of `load_model`):
 `fp32` as converted (exact, what training loads); `fp16` half the bytes, activations stay fp32 (fbgemm's
-fp16 GEMM: weight-only, so rows stay independent; the inference default on a CPU); `int8` a quarter,
-per-channel int8 weights with activations quantized per token at run time (fbgemm, torch's dynamic
-quantization). Both change the numbers slightly: bench/bench_decode.py measures their speed and their
-greedy text against fp32. torch 2.13 warns that its eager quantization
+fp16 GEMM: weight-only, so rows stay independent; the inference default on a CPU). fp16 changes the
+numbers slightly: bench/bench_weights.py measures its greedy text against fp32 (equal on 171 of 171
+held-out rows). (An int8 path, torch's dynamic quantization of activations too, was removed: slower,
+its text differed from fp32's, and fbgemm's int8 kernels compute differently on AVX2 and AVX-512/AMX
+CPUs.) torch 2.13 warns that its eager quantization
 API is deprecated in favour of torchao; torch is pinned, so it stays until an upgrade moves it."""
 INFERENCE_WEIGHTS = "fp16"
 """What `load_policy` holds a local model's linear weights in on a CPU unless told otherwise: decoding
@@ -276,14 +277,12 @@ def quantize_linears(model: Any, weights: str) -> Any:
     """Replace every `nn.Linear` (the LM head too; the embedding stays fp32) by torch's dynamically
     quantized counterpart, in place. Inference only, CPU only; an unmerged adapter cannot be quantized."""
     import torch
-    from torch.ao.quantization import float16_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
+    from torch.ao.quantization import float16_dynamic_qconfig, quantize_dynamic
 
     if weights == "fp32":
         return model
     if type(model).__name__.startswith("Peft"):
         raise ValueError("quantized weights need the adapter merged (merge_adapter=True)")
-    if weights == "int8":
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     from .fast_step import NativeLinear  # fbgemm's fp16 layer, whose many-row products may run natively
 
     return quantize_dynamic(model, {torch.nn.Linear: float16_dynamic_qconfig}, dtype=torch.float16,

@@ -6,7 +6,7 @@ three calls (before attention, attention, after attention), a decode step's laye
 in one, with fp16 weights widened exactly to fp32 as fbgemm does; `fast_step.lean_step` uses it for steps
 of fp16 models with at most `fast_step.NATIVE_STEP_MAX_TOKENS` real tokens (decode steps, jump-forward's
 forced tokens, short rows after a shared prefix) and keeps torch for everything else (prefill, token trees,
-fp32 or int8 weights).
+fp32 weights).
 
 It needs a C compiler (`cc`, with OpenMP) and an x86-64 CPU with AVX2, FMA and F16C. Where either is
 missing, or `ENVACE_NATIVE=0`, `library()` returns None and the torch step runs as before; `status()`

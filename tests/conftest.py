@@ -6,3 +6,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Which CPU ran the suite and which of its instruction-set paths the tests took (the suite must pass on
+    AVX2-only and on AVX-512/AMX x86 machines alike; a failure is read against this line). At the end, so
+    that `-q` runs (`make test`) print it too."""
+    from cpu_info import cpu_summary
+
+    terminalreporter.write_sep("-", "machine")
+    terminalreporter.write_line(cpu_summary())

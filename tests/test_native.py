@@ -32,8 +32,14 @@ def tiny_fp16_model(seed: int = 0, hidden: int = 32, heads: int = 4, kv_heads: i
 
 @pytest.fixture
 def built() -> None:
+    """The native step's tests run wherever the CPU can run it; on a CPU without AVX2/FMA/F16C (or not
+    x86-64) they are skipped with the reason, and anywhere else a failed build fails them (`make setup`
+    installs the compiler)."""
     if native.library() is None:
-        pytest.fail(f"the native step should build on this machine: {native.status()}")
+        status = native.status()
+        if "the CPU lacks" in status or "is not x86-64" in status:
+            pytest.skip(f"the native step cannot run on this CPU: {status}")
+        pytest.fail(f"the native step should build on this machine: {status}")
 
 
 @pytest.mark.parametrize(("hidden", "heads", "kv_heads"), [(32, 4, 2), (192, 3, 1), (256, 4, 2)])
@@ -280,13 +286,12 @@ def test_native_weights_follow_the_model(built: None) -> None:
 
 
 def test_only_fp16_models_run_natively(built: None) -> None:
-    """fp32 and int8 weights would change arithmetic in the C step: they keep the torch step."""
+    """fp32 weights would change arithmetic in the C step: they keep the torch step."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     assert not fast_step.native_supported(LlamaForCausalLM(config).eval())
-    assert not fast_step.native_supported(quantize_linears(LlamaForCausalLM(config).eval(), "int8"))
     odd = LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     assert not fast_step.native_supported(quantize_linears(LlamaForCausalLM(odd).eval(), "fp16"))  # 40 % 16
