@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 from app.envs.base import Tool
 from app.records import Call
@@ -288,10 +288,22 @@ def _trace_lines(history: list[HistoryItem], limit_chars: int = 200) -> list[str
     return lines
 
 
+MEMORY_CHARS = 200
+"""Each retrieved transition's response in a Rehearse prompt is cut to this many characters."""
+MEMORY_HEADER = "Real results of similar calls (reuse a result when the call and the state match):"
+
+
+def memory_lines(examples: Sequence[Any]) -> list[str]:
+    """Retrieved transitions (`MemoryHit`s: `tool`, `arguments`, `response`) as `call -> response` lines."""
+    return [f"{call_text(Call(name=e.tool, arguments=e.arguments))} -> {short_json(e.response, MEMORY_CHARS)}"
+            for e in examples]
+
+
 def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],
                     state: dict[str, Any] | None = None, max_history: int = 10,
-                    constrain: bool = False) -> Prompt:
-    """The Rehearse prompt: the episode's real calls and results, optionally the state, then the call.
+                    constrain: bool = False, examples: Sequence[Any] = ()) -> Prompt:
+    """The Rehearse prompt: the episode's real calls and results, optionally the state, the tool, the real
+    transitions retrieved for the call (`examples`, the rehearsal memory's hits), then the call.
     `constrain` attaches `rehearse_constraint` (the prompt text is the same either way)."""
     lines = _trace_lines(history)[-max_history:]
     shared = "Calls so far and their real results:\n" + ("\n".join(lines) if lines else "(none)")
@@ -303,6 +315,8 @@ def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],
         spec = f"Tool: {tool_signature(tool)}\nParameters: {canonical_json(tool.parameters)}"
         if tool.response:
             spec += f"\nReturns: {canonical_json(tool.response)}"
+    if examples:
+        spec += "\n" + MEMORY_HEADER + "\n" + "\n".join(memory_lines(examples))
     question = f"{spec}\nCall: {call_text(call)}"
     return Prompt(
         messages=[{"role": "system", "content": REHEARSE_SYSTEM},

@@ -17,6 +17,11 @@ RehearsalContext = Literal["history", "history+state"]
 ToolChoice = Literal["auto", "first", "required"]
 Proposal = Literal["sample", "tools"]
 ActualSource = Literal["committed", "shadow"]
+MemoryMode = Literal["off", "seed", "online"]
+"""Which real transitions a rehearsal may be conditioned on (`app.engine.memory`): none; the seed (replays of
+the training split's ground truth and exploration from its states); everything observed (the seed, every
+committed and shadow call, imports, corrections)."""
+TransitionSource = Literal["expert", "explore", "committed", "shadow", "imported", "correction"]
 ActionKind = Literal["call", "answer", "parse_error"]
 Label = Literal["match", "minor", "major", "hallucinated_state", "wrong_format"]
 LABELS: tuple[str, ...] = get_args(Label)
@@ -24,6 +29,8 @@ LABELS: tuple[str, ...] = get_args(Label)
 MODES: tuple[str, ...] = ("none", "parallel", "sequential")
 SELECTORS: tuple[str, ...] = ("judge", "logprob", "memory")
 REHEARSAL_CONTEXTS: tuple[str, ...] = ("history", "history+state")
+MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
+TRANSITION_SOURCES: tuple[str, ...] = get_args(TransitionSource)
 TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 PROPOSALS: tuple[str, ...] = get_args(Proposal)
 
@@ -52,6 +59,46 @@ class Metrics(BaseModel):
     """Both are errors, or both are successes."""
     surprise: float | None = None
     """Mean NLL per token of the actual response under the Rehearse role."""
+
+
+class Transition(BaseModel):
+    """One real (call, response) pair: what the rehearsal memory holds and retrieves (`app.engine.memory`)."""
+
+    tool: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    response: Any = None
+    """The real response (JSON), `{"error": ...}` for a failed call."""
+    error: bool = False
+    read_only: bool = False
+    env_class: str = ""
+    """The environment class that owns the tool (e.g. `GorillaFileSystem`); empty when unknown."""
+    source: TransitionSource = "committed"
+    """Where it was observed: a replay of a training task's ground truth (`expert`), a call explored from a
+    training state (`explore`), an episode's committed call or a shadow execution on a fork, an imported
+    trace, or an annotator's corrected response."""
+    task_id: str | None = None
+    split: str | None = None
+    """The task's split (`train`, `heldout`) where it has one."""
+    episode_id: str | None = None
+    step: int | None = None
+    branch: int | None = None
+    id: int | None = None
+    """The store's row id (None before it is written)."""
+
+
+class MemoryHit(BaseModel):
+    """A transition a rehearsal was conditioned on, as the branch records it (provenance on the card)."""
+
+    id: int | None = None
+    """The transition's row id in the store (None for one not written, e.g. in a test)."""
+    tool: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    response: Any = None
+    error: bool = False
+    source: TransitionSource = "committed"
+    task_id: str | None = None
+    score: float = 0.0
+    """Retrieval score (BM25 over the canonical arguments; an exact call match ranks first)."""
 
 
 class Branch(BaseModel):
@@ -87,6 +134,8 @@ class Branch(BaseModel):
     chosen: bool = False
     duplicates: int = 0
     """Sampled candidates folded into this branch because their canonical call was equal."""
+    memory: list[MemoryHit] = Field(default_factory=list)
+    """The real transitions retrieved into this branch's Rehearse prompt (empty: memory off or none found)."""
 
 
 class Step(BaseModel):
@@ -155,14 +204,19 @@ class RunSettings(BaseModel):
     """Overrides the task's budget when set."""
     max_action_tokens: int = Field(96, ge=8, le=1024)
     max_rehearsal_tokens: int = Field(128, ge=8, le=2048)
+    memory: MemoryMode = "online"
+    """Which real transitions each Rehearse prompt retrieves from (`app.engine.memory`); `online` in the
+    product (it learns from every real response it sees), `seed` for evaluation tables."""
+    memory_k: int = Field(3, ge=0, le=8)
+    """How many retrieved transitions a Rehearse prompt shows (at most; fewer within the token budget)."""
 
     @classmethod
     def from_stored(cls, values: dict[str, Any]) -> "RunSettings":
         """Settings read back from a store or a file: those written before `constrain` existed
         were decoded freely, so a missing `constrain` means False there (not the new default); those
         written before `proposal` existed sampled their alternatives (the default); those written before
-        `relevance` existed ranked no tools (0)."""
-        return cls(**{"constrain": False, "relevance": 0.0, **values})
+        `relevance` existed ranked no tools (0); those written before `memory` existed retrieved nothing."""
+        return cls(**{"constrain": False, "relevance": 0.0, "memory": "off", **values})
 
 
 class Episode(BaseModel):

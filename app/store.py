@@ -17,7 +17,9 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
-from app.records import Annotation, Branch, Call, Episode, Metrics, RunSettings, Step, TurnResult
+from app.formats import canonical_call, canonical_json
+from app.records import (Annotation, Branch, Call, Episode, MemoryHit, Metrics, RunSettings, Step, Transition, TurnResult,
+                         utcnow)
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ BUSY_TIMEOUT_S = 5.0
 """How long a write waits for another writer before giving up (sqlite's busy handler retries)."""
 SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
 METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
-ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str}
+ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str, "memory": str}
 ADDED_EPISODE_COLUMNS = {"writer": str}
 """`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
 dead writer (the episode was interrupted) from a live one (another process is still at it)."""
@@ -155,6 +157,15 @@ class Store:
             "id": int, "branch_id": int, "label": str, "corrected_action": str,
             "corrected_predicted": str, "note": str, "annotator": str, "created_at": str,
         }, pk="id", foreign_keys=[("branch_id", "branches", "id")], if_not_exists=True)
+        db["transitions"].create({
+            "id": int, "tool": str, "env_class": str, "call_key": str, "arguments": str, "response": str,
+            "response_key": str, "error": int, "read_only": int, "source": str, "task_id": str, "split": str,
+            "episode_id": str, "step": int, "branch": int, "created_at": str,
+        }, pk="id", if_not_exists=True)
+        # One row per distinct (call, response) a source saw in a task: replays and repeated runs add nothing new.
+        db["transitions"].create_index(["call_key", "response_key", "source", "task_id"], unique=True,
+                                       if_not_exists=True)
+        db["transitions"].create_index(["tool"], if_not_exists=True)
         db["adapters"].create({
             "id": str, "path": str, "parent": str, "base_model": str, "data": str,
             "metrics": str, "created_at": str,
@@ -268,7 +279,8 @@ class Store:
                "actual": _json(b.actual), "actual_source": b.actual_source,
                "actual_error": None if b.actual_error is None else int(b.actual_error),
                "shadow_state_after": _json(b.shadow_state_after), "not_executed": b.not_executed,
-               "scores": _json(b.scores), "chosen": int(b.chosen), "duplicates": b.duplicates}
+               "scores": _json(b.scores), "chosen": int(b.chosen), "duplicates": b.duplicates,
+               "memory": _json([h.model_dump() for h in b.memory]) if b.memory else None}
         for name in METRIC_COLUMNS:
             value = getattr(b.metrics, name)
             row[name] = int(value) if isinstance(value, bool) else value
@@ -291,6 +303,48 @@ class Store:
                     raise StoreError(f"no branch with id {annotation.branch_id}")
                 return self.db["annotations"].insert(row).last_pk
         return self._guard(write)
+
+    # ---------------------------------------------------------------- transitions (the rehearsal memory)
+
+    def add_transitions(self, transitions: list[Transition]) -> list[Transition]:
+        """Write real (call, response) pairs in one transaction; one already held (same call, response, source
+        and task) is not written twice. Returns the transitions that were new, with their row ids."""
+        def write() -> list[Transition]:
+            added = []
+            with self._atomic():
+                for t in transitions:
+                    row = {"tool": t.tool, "env_class": t.env_class, "arguments": _json(t.arguments),
+                           "call_key": canonical_call(Call(name=t.tool, arguments=t.arguments)),
+                           "response": _json(t.response), "response_key": canonical_json(t.response),
+                           "error": int(t.error), "read_only": int(t.read_only), "source": t.source,
+                           "task_id": t.task_id or "", "split": t.split, "episode_id": t.episode_id,
+                           "step": t.step, "branch": t.branch, "created_at": utcnow()}
+                    cursor = self.db.execute(
+                        f"insert or ignore into transitions ({', '.join(row)}) values ({', '.join('?' * len(row))})",
+                        list(row.values()))
+                    if cursor.rowcount:
+                        added.append(t.model_copy(update={"id": cursor.lastrowid}))
+            return added
+        return self._guard(write)
+
+    def transitions(self, *, sources: tuple[str, ...] | None = None, after_id: int = 0) -> list[Transition]:
+        """Stored transitions (of `sources`, newer than row `after_id`), oldest first."""
+        where, params = "id > ?", [after_id]
+        if sources is not None:
+            where += f" and source in ({', '.join('?' * len(sources))})"
+            params += list(sources)
+
+        def read() -> list[Transition]:
+            return [_transition_from_row(dict(r)) for r in
+                    self.db.query(f"select * from transitions where {where} order by id", params)]
+        return self._guard(read)
+
+    def transition_counts(self) -> dict[str, int]:
+        """Stored transitions by source."""
+        def read() -> dict[str, int]:
+            return {r["source"]: r["n"] for r in
+                    self.db.query("select source, count(*) as n from transitions group by source")}
+        return self._guard(read)
 
     # ---------------------------------------------------------------- reads
 
@@ -484,6 +538,13 @@ class Store:
         return self._guard(lambda: [r["id"] for r in self.db.query(sql)])
 
 
+def _transition_from_row(r: dict[str, Any]) -> Transition:
+    return Transition(tool=r["tool"], arguments=_unjson(r["arguments"]) or {}, response=_unjson(r["response"]),
+                      error=bool(r["error"]), read_only=bool(r["read_only"]), env_class=r["env_class"] or "",
+                      source=r["source"], task_id=r["task_id"] or None, split=r["split"],
+                      episode_id=r["episode_id"], step=r["step"], branch=r["branch"], id=r["id"])
+
+
 def _branch_from_row(r: dict[str, Any]) -> Branch:
     metrics = {}
     for name in METRIC_COLUMNS:
@@ -498,7 +559,7 @@ def _branch_from_row(r: dict[str, Any]) -> Branch:
         actual_error=None if r["actual_error"] is None else bool(r["actual_error"]),
         shadow_state_after=_unjson(r["shadow_state_after"]), not_executed=r["not_executed"],
         scores=_unjson(r["scores"]) or {}, metrics=Metrics(**metrics), chosen=bool(r["chosen"]),
-        duplicates=r["duplicates"] or 0)
+        duplicates=r["duplicates"] or 0, memory=[MemoryHit(**h) for h in _unjson(r.get("memory")) or []])
 
 
 class Recorder:

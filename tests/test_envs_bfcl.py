@@ -61,13 +61,17 @@ def test_list_tasks_has_200_per_category(category: str) -> None:
 
 
 def test_list_tasks_splits() -> None:
+    """Every category is split by the scenario's index (the four are variants of the same 200 scenarios), so a
+    held-out scenario is held out in all of them."""
     train, heldout = list_tasks(split="train"), list_tasks(split="heldout")
-    assert (len(train), len(heldout)) == (150, 50)
-    assert all(t.startswith("bfcl:multi_turn_base_") for t in train + heldout)
+    assert (len(train), len(heldout)) == (600, 200)
     assert all(int(t.rsplit("_", 1)[1]) % 4 == 3 for t in heldout)
     assert not set(train) & set(heldout)
-    assert list_tasks("multi_turn_base", "train") == train
-    assert list_tasks("multi_turn_miss_func", "train") == []
+    for category in CATEGORIES:
+        cat_train, cat_heldout = list_tasks(category, "train"), list_tasks(category, "heldout")
+        assert (len(cat_train), len(cat_heldout)) == (150, 50)
+        assert [t.rsplit("_", 1)[1] for t in cat_heldout] == [str(i) for i in range(3, 200, 4)]
+        assert load_task(cat_heldout[0]).extra["split"] == "heldout"
     assert len(list_tasks()) == 800
 
 

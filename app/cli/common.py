@@ -9,21 +9,27 @@ import argparse
 from typing import Any
 
 from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, default_db_path
-from app.records import PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import MEMORY_MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 
 
 class UserError(Exception):
     """A mistake the user can fix; printed as one line, exit status 2 (raise it from any command)."""
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by `run` and `eval`: selector, sampling, budgets, model, database."""
+def add_engine_options(p: argparse.ArgumentParser, memory: str = "online") -> None:
+    """Options shared by `run` and `eval`: selector, sampling, budgets, model, database. `memory`: the
+    default of `--memory` (`online` for a run, `seed` for an eval table)."""
     p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
     p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
     p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
     p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
                    help="what the Rehearse role sees besides the call")
+    p.add_argument("--memory", choices=MEMORY_MODES, default=memory,
+                   help="real transitions each Rehearse prompt retrieves: `seed` (replays of the training split's "
+                        "ground truth and calls explored from its states), `online` (also every call observed "
+                        f"since, imports and corrections), `off` (default {memory})")
+    p.add_argument("--memory-k", type=int, default=3, help="retrieved transitions per Rehearse prompt (0-8)")
     p.add_argument("--tool-choice", choices=TOOL_CHOICES, default="auto",
                    help="`required`: every step calls a tool; `first`: the first step after each user message does")
     p.add_argument("--proposal", choices=PROPOSALS, default="sample",

@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel, best-of-K) or attempts "
                    "(sequential)")
     p.add_argument("--no-best-of-k", action="store_true", help="skip the real best-of-K baseline row")
-    add_engine_options(p)
+    add_engine_options(p, memory="seed")
     p.add_argument("--max-turns", type=int, default=None, help="judge only the first N user turns of each task")
     p.add_argument("--state-probe", type=int, default=32,
                    help="calls re-rehearsed with and without the state snapshot (0: skip)")
@@ -91,7 +91,7 @@ def _config(args: argparse.Namespace):
                      adapter=_adapter(args.model, args.adapter), selector=args.selector, temperature=args.temperature,
                      shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
                      tool_choice=args.tool_choice, proposal=args.proposal, relevance=args.relevance,
-                     constrain=args.constrain == "on",
+                     constrain=args.constrain == "on", memory=args.memory, memory_k=args.memory_k,
                      max_steps_per_turn=args.max_steps, max_turns=args.max_turns,
                      max_action_tokens=args.max_action_tokens, max_rehearsal_tokens=args.max_rehearsal_tokens,
                      state_probe=args.state_probe)

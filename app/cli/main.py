@@ -86,7 +86,7 @@ def settings_from_args(args: argparse.Namespace):
                            selector=args.selector, seed=args.seed, temperature=args.temperature,
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
                            tool_choice=args.tool_choice, proposal=args.proposal, relevance=args.relevance,
-                           constrain=args.constrain == "on",
+                           constrain=args.constrain == "on", memory=args.memory, memory_k=args.memory_k,
                            max_steps_per_turn=args.max_steps,
                            max_action_tokens=args.max_action_tokens,
                            max_rehearsal_tokens=args.max_rehearsal_tokens)
@@ -113,8 +113,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         store = Store(db_path)
     except StoreError as exc:
         raise UserError(str(exc)) from None
+    from app.training.memory_seed import open_memory
+
     recorder = Recorder(store)
-    runner = EpisodeRunner(task, policy, settings, model=args.model, adapter=args.adapter, on_step=recorder)
+    runner = EpisodeRunner(task, policy, settings, model=args.model, adapter=args.adapter, on_step=recorder,
+                           memory=open_memory(store))
     recorder.start(runner.episode)
     out = sys.stderr if args.json else sys.stdout
     print(f"Episode {runner.episode.id}: {task.id} | model {args.model} | adapter {args.adapter or 'none'} "

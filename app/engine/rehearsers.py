@@ -44,8 +44,10 @@ class ModelRehearser:
             return 0
         # Rehearsal happens before the commit, so the pre-step state is the state to show.
         state = ctx.state_before if settings.rehearsal_context == "history+state" else None
+        for b in todo:  # the real transitions each prediction is conditioned on (shown on its card)
+            b.memory = runner.recall(b.call)
         prompts = [rehearse_prompt(ctx.tools.get(b.call.name), b.call, runner.history, state,
-                                   constrain=settings.constrain) for b in todo]
+                                   constrain=settings.constrain, examples=b.memory) for b in todo]
         config = GenerationConfig(max_new_tokens=settings.max_rehearsal_tokens, temperature=0.0,
                                   seed=settings.seed, stop=REHEARSE_STOP)
         for branch, prompt, gen in zip(todo, prompts, runner.policy.rehearse(prompts, config)):

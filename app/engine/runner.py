@@ -25,6 +25,7 @@ from app import envs
 from app.divergence import compare, mean_nll
 from app.engine import proposals, strategies
 from app.engine.context import StepContext
+from app.engine.memory import MemoryScope, RehearsalMemory, observed
 from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, latest_request,
                                 turn_messages, with_typed_turns)
 from app.engine.proposals import TOOL_SCORE
@@ -32,7 +33,7 @@ from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
                          parse_action, rehearse_target)
-from app.records import Branch, Episode, RunSettings, Step, TurnResult, utcnow
+from app.records import Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import (AheadStopped, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
                                 Timings, supports_scoring)
 
@@ -55,7 +56,8 @@ class EpisodeRunner:
     def __init__(self, task: Task, policy: Policy, settings: RunSettings, *,
                  model: str | None = None, adapter: str | None = None,
                  on_step: StepCallback | None = None, env: Environment | None = None,
-                 judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None) -> None:
+                 judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None,
+                 memory: RehearsalMemory | None = None, exclude_own_task: bool = False) -> None:
         if settings.relevance > 0 and not supports_scoring(policy):
             # The ranking scores tool names and requests (prompt log-probabilities); a server without them
             # runs with the greedy action's tool, and the episode's settings say so.
@@ -84,11 +86,16 @@ class EpisodeRunner:
         self.typed_turns: dict[int, str] = {}
         """User turns a person typed (`add_user_turn`), by turn index."""
         self._relevance_cache: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
+        self.memory = memory
+        """Real transitions the Rehearse prompts retrieve from (`settings.memory` says which); every real
+        response this episode observes is added to it. None: no retrieval, nothing remembered."""
+        self.exclude_own_task = exclude_own_task
+        """Evaluation: never retrieve this task's transitions from other episodes (`MemoryScope.exclude_task`)."""
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
                env: Environment | None = None, judge: Any = None,
-               rehearser: Rehearser | None = None) -> EpisodeRunner:
+               rehearser: Rehearser | None = None, memory: RehearsalMemory | None = None) -> EpisodeRunner:
         """Continue a recorded episode (an interrupted or stopped one) where it ended.
 
         A fresh environment gets the committed calls again, in order (the tools are deterministic
@@ -98,7 +105,7 @@ class EpisodeRunner:
         """
         runner = cls(task, policy, episode.settings, model=episode.model, adapter=episode.adapter,
                      on_step=on_step, env=env, judge=judge, episode_id=episode.id,
-                     rehearser=rehearser)
+                     rehearser=rehearser, memory=memory)
         runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
         runner.resume_mismatches = []
         turns, typed = with_typed_turns(task.turns, episode.turn_results)
@@ -152,6 +159,7 @@ class EpisodeRunner:
         state_before = self.env.state()
         step = self._decide(state_before)
         step.duration_s = round(time.perf_counter() - started, 3)
+        self._remember(step)
         self._count(step)
         self.episode.steps.append(step)
         self._turn_steps += 1
@@ -283,6 +291,23 @@ class EpisodeRunner:
         else:
             self.episode.success = all(t.success for t in results)
         self.episode.finished_at = utcnow()
+
+    @property
+    def memory_scope(self) -> MemoryScope:
+        return MemoryScope(self.settings.memory, self.task.id, self.episode.id, self.exclude_own_task)
+
+    def recall(self, call: Call) -> list[MemoryHit]:
+        """The real transitions a rehearsal of `call` is conditioned on (none without a memory)."""
+        if self.memory is None:
+            return []
+        return self.memory.retrieve(call, self.memory_scope, self.settings.memory_k)
+
+    def _remember(self, step: Step) -> None:
+        """Every real response of the step (committed, shadow) joins the memory, whatever `settings.memory`:
+        what is observed is kept; the setting decides what is retrieved."""
+        if self.memory is not None:
+            self.memory.add(observed(step, task_id=self.task.id, split=self.task.extra.get("split"),
+                                     episode_id=self.episode.id, tools={t.name: t for t in self.env.tools()}))
 
     def _count(self, step: Step) -> None:
         self.episode.external_calls += step.external_calls

@@ -65,6 +65,10 @@ class EvalConfig:
     """Judge only the first N user turns of each task (None: all); cuts CPU time on long tasks."""
     max_action_tokens: int = 96
     max_rehearsal_tokens: int = 128
+    memory: str = "seed"
+    """Real transitions the Rehearse prompts retrieve (RunSettings.memory): `seed` by default for tables (the
+    training split only); the evaluated task's own transitions are never retrieved from another episode."""
+    memory_k: int = 3
     state_probe: int = 32
     """Committed/shadow calls re-rehearsed with and without the state snapshot (0: skip the probe)."""
 
@@ -72,7 +76,7 @@ class EvalConfig:
         """Row key -> RunSettings, in table order (validates like the CLI's `run`)."""
         base = dict(seed=self.seed, temperature=self.temperature, selector=self.selector, shadow=self.shadow,
                     rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice, proposal=self.proposal,
-                    relevance=self.relevance, constrain=self.constrain,
+                    relevance=self.relevance, constrain=self.constrain, memory=self.memory, memory_k=self.memory_k,
                     max_steps_per_turn=self.max_steps_per_turn,
                     max_action_tokens=self.max_action_tokens, max_rehearsal_tokens=self.max_rehearsal_tokens)
         rows = {mode: RunSettings(mode=mode, branches=1 if mode == "none" else self.branches, **base)
@@ -126,7 +130,7 @@ def resolve_tasks(spec: str, split: str | None = None, limit: int | None = None)
         if category in envs.CATEGORIES:
             found = envs.list_tasks(category, split)
             if not found:
-                raise ValueError(f"the {split} split of {category} is empty (only multi_turn_base is split)")
+                raise ValueError(f"the {split} split of {category} is empty")
             ids += found
             continue
         task = envs.load_task(item)
@@ -157,8 +161,9 @@ def find_complete_episode(store: Store, task_id: str, settings: RunSettings, mod
 
 def run_episode(task: Task, policy: Any, settings: RunSettings, store: Store, *, model: str,
                 adapter: str | None, max_turns: int | None = None,
-                on_step: Callable[[Episode], None] | None = None) -> Episode:
-    """Run one episode to its end (or `max_turns` turns), writing every step through a Recorder.
+                on_step: Callable[[Episode], None] | None = None, memory: Any = None) -> Episode:
+    """Run one episode to its end (or `max_turns` turns), writing every step through a Recorder. `memory`
+    (a `RehearsalMemory`) is retrieved from without the task's own transitions of other episodes.
 
     On KeyboardInterrupt the episode is marked stopped and flushed, then the interrupt goes on.
     """
@@ -169,7 +174,8 @@ def run_episode(task: Task, policy: Any, settings: RunSettings, store: Store, *,
         if on_step is not None:
             on_step(ep)
 
-    runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, on_step=record)
+    runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, on_step=record, memory=memory,
+                           exclude_own_task=True)
     recorder.start(runner.episode)
     try:
         while not runner.done and (max_turns is None or runner.turn < max_turns):
@@ -197,6 +203,10 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
             loaded.append(policy() if callable(policy) and not hasattr(policy, "act") else policy)
         return loaded[0]
 
+    from app.training.memory_seed import open_memory
+
+    memory = open_memory(store, seed=cfg.memory != "off")
+    memory_before = memory.counts()
     started = time.perf_counter()
     by_row: dict[str, list[Episode]] = {}
     ran = resumed = 0
@@ -212,7 +222,7 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
                     if progress is not None:
                         progress(EvalProgress("step", ran + resumed, total, row, task_id, ep.id, len(ep.steps)))
                 ep, kind = run_episode(task, get_policy(), settings, store, model=cfg.model, adapter=cfg.adapter,
-                                       max_turns=cfg.max_turns, on_step=on_step), "episode"
+                                       max_turns=cfg.max_turns, on_step=on_step, memory=memory), "episode"
                 ran += 1
             by_row[row].append(truncate(ep, cfg.max_turns))
             if progress is not None:
@@ -228,6 +238,8 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
         "fidelity": {"by_tool": fidelity_by(episodes, lambda b, t: b.call.name if b.call else None, tasks),
                      "by_access": fidelity_by(episodes, access_of, tasks),
                      "by_context": probe},
+        "memory": {"mode": cfg.memory, "k": cfg.memory_k, "transitions_at_start": memory_before,
+                   "transitions_at_end": memory.counts()},
         "run": {"episodes_run": ran, "episodes_resumed": resumed,
                 "seconds": round(time.perf_counter() - started, 1), "finished_at": utcnow()},
     }

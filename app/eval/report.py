@@ -70,6 +70,7 @@ def markdown(result: dict[str, Any]) -> str:
         + f"; {len(tasks)} task(s) ({_task_summary(tasks)}), {turns}; seed {cfg['seed']}, "
         f"temperature {cfg['temperature']}, step budget per turn "
         f"{cfg['max_steps_per_turn'] or 'from the task'}.", "",
+        _memory_line(result), "",
     ]
     lines += [table_markdown(result), ""]
     lines += [
@@ -103,6 +104,23 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Episodes run: {run.get('episodes_run')}, resumed from the database: "
               f"{run.get('episodes_resumed')}; {run.get('seconds')} s. Episode ids per row: `results.json`."]
     return "\n".join(lines) + "\n"
+
+
+MEMORY_WORDS = {
+    "off": "off: no retrieved transitions",
+    "seed": "seed: replays of the training split's ground truth and calls explored from its states",
+    "online": "online: the seed and every real response observed since (this eval's other tasks included)",
+}
+
+
+def _memory_line(result: dict[str, Any]) -> str:
+    """Which real transitions the Rehearse prompts retrieved from (the evaluated task's own never)."""
+    memory = result.get("memory") or {"mode": result["config"].get("memory", "off")}
+    held = memory.get("transitions_at_start") or {}
+    held_text = f" ({sum(held.values())} transitions at the start)" if held else ""
+    return (f"Rehearsal memory {MEMORY_WORDS.get(memory['mode'], memory['mode'])}{held_text}; "
+            f"up to {memory.get('k', 3)} per Rehearse prompt; never the evaluated task's own transitions "
+            "from another episode.")
 
 
 def _task_summary(tasks: list[str]) -> str:

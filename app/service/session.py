@@ -96,6 +96,19 @@ class Services:
         self._loader = policy_loader or _load_real_policy
         self._policies: dict[tuple[str, str | None], Any] = {}
         self._policy_lock = threading.Lock()
+        self._memory: Any = None
+        self._memory_lock = threading.Lock()
+
+    def memory(self) -> Any:
+        """The rehearsal memory every session shares (`app.engine.memory.RehearsalMemory` over the store's
+        transitions), built and seeded on first use: every real response a session observes, and every
+        correction, joins it for all of them."""
+        with self._memory_lock:
+            if self._memory is None:
+                from app.training.memory_seed import open_memory
+
+                self._memory = open_memory(self.store)
+            return self._memory
 
     def policy(self, model: str, adapter: str | None) -> Any:
         """Loaded on first use, then cached for every session (loading is the slow part)."""
@@ -320,7 +333,7 @@ class RunSession:
         from app.engine import EpisodeRunner
 
         self.runner = EpisodeRunner(task, policy, request.settings, model=request.model, adapter=request.adapter,
-                                    on_step=self._record, env=env, judge=judge)
+                                    on_step=self._record, env=env, judge=judge, memory=services.memory())
         self.request = request
         self.view_step = None
 
@@ -344,7 +357,7 @@ class RunSession:
         self.close(services)
         from app.engine import EpisodeRunner
 
-        self.runner = EpisodeRunner.resume(ep, task, policy, on_step=self._record)
+        self.runner = EpisodeRunner.resume(ep, task, policy, on_step=self._record, memory=services.memory())
         self.recorder, self.request, self.unjudged = Recorder(services.store), request, False
         self.view_step, self.resumed = None, True
         self._save(services)  # running again, written by this process

@@ -1,0 +1,193 @@
+"""The rehearsal memory: real (call, response) transitions, retrieved into Rehearse prompts.
+
+EnvACE's own Rehearse prompt carries "previous tool calls and results (few-shot)": real pairs of the same
+tool, with the instruction to reuse a result when the call matches. Here every real response the app sees
+becomes a `Transition` (the seed: replays of the training split's ground truth and calls explored from its
+states; then every committed call, every shadow execution, imported traces and annotators' corrections),
+kept in SQLite (`Store.add_transitions`) so it survives restarts, and indexed here by tool.
+
+For a call to rehearse, `retrieve` ranks the admitted transitions of the same tool: an exact call match
+first, then BM25 (`bm25s`) over the canonical arguments' tokens (argument values as words, and each value
+whole under its argument's name), newer first among equals; the same (call, response) is shown once.
+
+`MemoryScope` says what a rehearsal may see (`RunSettings.memory`): `off`; `seed` (only the training
+split's replays and explorations); `online` (everything). Evaluation excludes the evaluated task's own
+transitions (its ground truth, an earlier row's episode of it) unless the same episode observed them
+(`exclude_task`), so no figure is measured on what it retrieves.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+from app.envs.base import Tool
+from app.formats import canonical_call, canonical_json
+from app.records import Call, MemoryHit, MemoryMode, Step, Transition
+
+if TYPE_CHECKING:
+    from app.store import Store
+
+SEED_SOURCES = ("expert", "explore")
+"""Transitions from the training split's tasks, made before any episode: what `seed` admits."""
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+@dataclass(frozen=True)
+class MemoryScope:
+    """Which transitions one episode's rehearsals may retrieve."""
+
+    mode: MemoryMode = "online"
+    task_id: str | None = None
+    episode_id: str | None = None
+    exclude_task: bool = False
+    """Leave out transitions of `task_id` that another episode observed (or a replay of its ground truth):
+    evaluation sets it, so a task is never rehearsed with its own answers."""
+
+    def admits(self, t: Transition) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "seed" and not (t.source in SEED_SOURCES and t.split == "train"):
+            return False
+        if self.exclude_task and self.task_id is not None and t.task_id == self.task_id:
+            return self.episode_id is not None and t.episode_id == self.episode_id
+        return True
+
+
+def _tokens(arguments: dict[str, Any]) -> list[str]:
+    """A call's retrieval tokens: each argument's value whole under its name, and its words."""
+    out: list[str] = []
+    for key, value in sorted(arguments.items()):
+        text = value if isinstance(value, str) else canonical_json(value)
+        out.append(f"{key}={text.lower()}")
+        out += _WORD.findall(text.lower())
+    return out
+
+
+def _key(t: Transition) -> tuple[str, str, str, str]:
+    return (canonical_call(Call(name=t.tool, arguments=t.arguments)), canonical_json(t.response), t.source,
+            t.task_id or "")
+
+
+class _ToolIndex:
+    """The transitions of one tool and their BM25 index (rebuilt when transitions were added)."""
+
+    def __init__(self) -> None:
+        self.items: list[Transition] = []
+        self.calls: list[str] = []
+        self._bm25: Any = None
+
+    def add(self, t: Transition) -> None:
+        self.items.append(t)
+        self.calls.append(canonical_call(Call(name=t.tool, arguments=t.arguments)))
+        self._bm25 = None
+
+    def scores(self, arguments: dict[str, Any]) -> list[float]:
+        query = _tokens(arguments)
+        if not query or not self.items:
+            return [0.0] * len(self.items)
+        if self._bm25 is None:
+            import bm25s  # numpy only; kept out of import time
+
+            corpus = [_tokens(t.arguments) or ["<none>"] for t in self.items]
+            self._bm25 = bm25s.BM25()
+            self._bm25.index(corpus, show_progress=False)
+        return [float(s) for s in self._bm25.get_scores(query)]
+
+
+class RehearsalMemory:
+    """Real transitions by tool, written through to a `Store` when one is given. Thread-safe."""
+
+    def __init__(self, store: "Store | None" = None, transitions: Iterable[Transition] = ()) -> None:
+        self.store = store
+        self._tools: dict[str, _ToolIndex] = {}
+        self._keys: set[tuple[str, str, str, str]] = set()
+        self._lock = threading.Lock()
+        self._index(list(transitions))
+
+    @classmethod
+    def from_store(cls, store: "Store") -> "RehearsalMemory":
+        """Everything the store holds (the seed and what earlier sessions observed)."""
+        return cls(store, store.transitions())
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def counts(self) -> dict[str, int]:
+        """Transitions held, by source."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for index in self._tools.values():
+                for t in index.items:
+                    out[t.source] = out.get(t.source, 0) + 1
+        return out
+
+    def _index(self, transitions: list[Transition]) -> list[Transition]:
+        added = []
+        with self._lock:
+            for t in transitions:
+                key = _key(t)
+                if key in self._keys:
+                    continue
+                self._keys.add(key)
+                self._tools.setdefault(t.tool, _ToolIndex()).add(t)
+                added.append(t)
+        return added
+
+    def add(self, transitions: list[Transition]) -> list[Transition]:
+        """Remember real transitions (written to the store first, so a restart keeps them); returns the new ones."""
+        fresh = [t for t in transitions if _key(t) not in self._keys]
+        if not fresh:
+            return []
+        if self.store is not None:
+            fresh = self.store.add_transitions(fresh)
+        return self._index(fresh)
+
+    def retrieve(self, call: Call, scope: MemoryScope, k: int) -> list[MemoryHit]:
+        """The `k` most similar admitted transitions of `call`'s tool, most similar first."""
+        if k <= 0 or scope.mode == "off":
+            return []
+        with self._lock:
+            index = self._tools.get(call.name)
+            if index is None:
+                return []
+            admitted = [i for i, t in enumerate(index.items) if scope.admits(t)]
+            if not admitted:
+                return []
+            scores = index.scores(call.arguments)
+            wanted = canonical_call(call)
+            ranked = sorted(admitted, key=lambda i: (index.calls[i] == wanted, scores[i], i), reverse=True)
+            hits, shown = [], set()
+            for i in ranked:
+                t = index.items[i]
+                pair = (index.calls[i], canonical_json(t.response))
+                if pair in shown:
+                    continue
+                shown.add(pair)
+                score = 1e6 if index.calls[i] == wanted else scores[i]
+                hits.append(MemoryHit(id=t.id, tool=t.tool, arguments=t.arguments, response=t.response, error=t.error,
+                                      source=t.source, task_id=t.task_id, score=round(score, 4)))
+                if len(hits) == k:
+                    break
+            return hits
+
+
+def observed(step: Step, *, task_id: str | None, split: str | None, episode_id: str | None,
+             tools: dict[str, Tool]) -> list[Transition]:
+    """The real transitions one step observed: its committed call and every shadow execution."""
+    out = []
+    for b in step.branches:
+        if b.kind != "call" or b.call is None or b.actual_source is None:
+            continue
+        tool = tools.get(b.call.name)
+        if tool is None:  # an unknown tool's error says nothing about a tool
+            continue
+        out.append(Transition(tool=b.call.name, arguments=b.call.arguments, response=b.actual,
+                              error=bool(b.actual_error), read_only=tool.read_only, env_class=tool.env_class,
+                              source=b.actual_source, task_id=task_id, split=split, episode_id=episode_id,
+                              step=step.index, branch=b.index))
+    return out
+
+
+__all__ = ["MemoryScope", "RehearsalMemory", "SEED_SOURCES", "observed"]

@@ -1,0 +1,133 @@
+"""The rehearsal memory's seed: real transitions from the training split, made before any episode runs.
+
+- `expert`: every ground-truth call of every training-split task (BFCL's four multi-turn categories, index
+  mod 4 != 3; tau2's own train split), executed in order in a fresh real environment.
+- `explore`: before each of those calls, calls sampled on a fork of the state at that point: the same tool
+  or another tool of the task, with argument sets the training split's ground truth used for that tool
+  elsewhere (so they are plausible, and often wrong for this state: a `cd` into a folder that is not there,
+  a stock that is not on the watchlist). Real responses of calls an agent might make, errors included.
+
+Nothing of a held-out task is read: the argument pool comes from training tasks only. `ensure_seed` writes
+the seed into a store once (its transitions are deduplicated there), so every later start reads it back.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Callable, Iterable
+
+from app import envs
+from app.envs.base import Task, Tool
+from app.formats import canonical_json, in_schema_order
+from app.records import Transition
+
+log = logging.getLogger(__name__)
+
+SEED_SUITES = ("bfcl", "tau2")
+EXPLORE_PER_CALL = 2
+"""Calls explored on forks before each ground-truth call."""
+
+
+def training_task_ids(suites: Iterable[str] = SEED_SUITES) -> list[str]:
+    """Every training-split task of the suites whose tasks have ground truth."""
+    ids: list[str] = []
+    for suite in suites:
+        ids += envs.list_tasks(split="train", suite=suite)
+    return ids
+
+
+def _gold_calls(task: Task, env: Any) -> Iterable[tuple[int, str, dict[str, Any]]]:
+    for turn, calls in enumerate(task.ground_truth or []):
+        for call_string in calls:
+            name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
+            yield turn, name, args
+
+
+def argument_pool(task_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """Tool name -> the distinct argument sets the ground truth of `task_ids` calls it with."""
+    pool: dict[str, dict[str, dict[str, Any]]] = {}
+    for task_id in task_ids:
+        task = envs.load_task(task_id)
+        env = envs.make_env(task)
+        try:
+            for _, name, args in _gold_calls(task, env):
+                pool.setdefault(name, {})[canonical_json(args)] = args
+        finally:
+            if hasattr(env, "close"):
+                env.close()
+    return {name: list(sets.values()) for name, sets in pool.items()}
+
+
+def _transition(tool: Tool | None, name: str, args: dict[str, Any], result: Any, source: str,
+                task: Task) -> Transition:
+    return Transition(tool=name, arguments=in_schema_order(args, tool), response=result.output,
+                      error=bool(result.error), read_only=bool(tool and tool.read_only),
+                      env_class=tool.env_class if tool else "", source=source, task_id=task.id,
+                      split=task.extra.get("split"))
+
+
+def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: random.Random,
+                     explore: int = EXPLORE_PER_CALL) -> list[Transition]:
+    """The ground truth of `task` executed in order (`expert`), and `explore` sampled calls on a fork of the
+    state before each gold call (`explore`)."""
+    env = envs.make_env(task)
+    out: list[Transition] = []
+    try:
+        turn_now = -1
+        for turn, name, args in _gold_calls(task, env):
+            if turn != turn_now and hasattr(env, "set_turn"):
+                env.set_turn(turn)
+                turn_now = turn
+            tools = {t.name: t for t in env.tools()}
+            for _ in range(explore if env.forkable else 0):
+                other = name if rng.random() < 0.5 else rng.choice(sorted(tools))
+                choices = pool.get(other) or ([{}] if not tools[other].parameters.get("required") else [])
+                if not choices:
+                    continue
+                other_args = rng.choice(choices)
+                fork = env.fork()
+                out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore", task))
+            out.append(_transition(tools.get(name), name, args, env.call(name, args), "expert", task))
+    finally:
+        if hasattr(env, "close"):
+            env.close()
+    return out
+
+
+def seed_transitions(task_ids: list[str] | None = None, *, explore: int = EXPLORE_PER_CALL, seed: int = 0,
+                     progress: Callable[[int, int], None] | None = None) -> list[Transition]:
+    """The whole seed (every training task by default), reproducible for a given `seed`."""
+    task_ids = training_task_ids() if task_ids is None else task_ids
+    pool = argument_pool(task_ids)
+    rng = random.Random(seed)
+    out: list[Transition] = []
+    for i, task_id in enumerate(task_ids):
+        out += task_transitions(envs.load_task(task_id), pool, rng, explore)
+        if progress is not None:
+            progress(i + 1, len(task_ids))
+    return out
+
+
+def ensure_seed(memory: Any, **kwargs: Any) -> int:
+    """Seed `memory` (a `RehearsalMemory`, written through to its store) unless it holds expert transitions
+    already; returns the transitions added."""
+    if memory.counts().get("expert"):
+        return 0
+    added = memory.add(seed_transitions(**kwargs))
+    log.info("rehearsal memory seeded with %d real transitions of the training split", len(added))
+    return len(added)
+
+
+def open_memory(store: Any, seed: bool = True) -> Any:
+    """The rehearsal memory over `store`'s transitions, seeded there first when it has no seed yet
+    (BFCL's training split: about 10,000 transitions in a few seconds)."""
+    from app.engine.memory import RehearsalMemory
+
+    memory = RehearsalMemory.from_store(store)
+    if seed:
+        ensure_seed(memory, task_ids=training_task_ids(("bfcl",)))
+    return memory
+
+
+__all__ = ["EXPLORE_PER_CALL", "argument_pool", "ensure_seed", "open_memory", "seed_transitions",
+           "task_transitions", "training_task_ids"]
