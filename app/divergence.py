@@ -7,6 +7,7 @@ from typing import Any, Iterable
 
 from app.formats import canonical_json
 from app.records import Metrics
+from model_backend.loops import repeated_phrase
 
 
 def is_error(value: Any) -> bool:
@@ -49,6 +50,26 @@ def compare(predicted: Any, predicted_valid: bool, actual: Any,
         error_agree=is_error(predicted) == is_error(actual),
         surprise=surprise,
     )
+
+
+def looping(text: str) -> bool:
+    """A prediction that repeats a phrase more than twice inside one string (`model_backend.loops`)."""
+    strings: list[str] = []
+    in_string, escaped, start = False, False, 0
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                strings.append(text[start:i])
+        elif ch == '"':
+            in_string, start = True, i + 1
+    if in_string:
+        strings.append(text[start:])
+    return any(repeated_phrase(s) is not None for s in strings)
 
 
 def mean_nll(token_logprobs: list[float]) -> float | None:

@@ -206,7 +206,7 @@ def rehearse_constraint(tool: Tool | None) -> Constraint:
         schema: dict[str, Any] = {}
     else:
         schema = {"anyOf": [grammar_schema(tool.response, closed=False), ERROR_SCHEMA, {"type": "null"}]}
-    return Constraint(schema=schema, close=RESULT_CLOSE)
+    return Constraint(schema=schema, close=RESULT_CLOSE, close_strings=True)
 
 
 # ---------------------------------------------------------------- history
@@ -294,9 +294,10 @@ MEMORY_HEADER = "Real results of similar calls (reuse a result when the call and
 
 
 def memory_lines(examples: Sequence[Any]) -> list[str]:
-    """Retrieved transitions (`MemoryHit`s: `tool`, `arguments`, `response`) as `call -> response` lines."""
+    """Retrieved transitions (`MemoryHit`s: `tool`, `arguments`, `response`, most similar first) as
+    `call -> response` lines, most similar last: nearest the call it informs."""
     return [f"{call_text(Call(name=e.tool, arguments=e.arguments))} -> {short_json(e.response, MEMORY_CHARS)}"
-            for e in examples]
+            for e in reversed(examples)]
 
 
 def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],

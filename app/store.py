@@ -160,10 +160,11 @@ class Store:
         db["transitions"].create({
             "id": int, "tool": str, "env_class": str, "call_key": str, "arguments": str, "response": str,
             "response_key": str, "error": int, "read_only": int, "source": str, "task_id": str, "split": str,
-            "episode_id": str, "step": int, "branch": int, "created_at": str,
+            "episode_id": str, "episode_key": str, "step": int, "branch": int, "created_at": str,
         }, pk="id", if_not_exists=True)
-        # One row per distinct (call, response) a source saw in a task: replays and repeated runs add nothing new.
-        db["transitions"].create_index(["call_key", "response_key", "source", "task_id"], unique=True,
+        # One row per distinct (call, response) a source saw in a task's episode: replays add nothing new, and an
+        # episode keeps its own observations (a rehearsal may always see what its episode observed).
+        db["transitions"].create_index(["call_key", "response_key", "source", "task_id", "episode_key"], unique=True,
                                        if_not_exists=True)
         db["transitions"].create_index(["tool"], if_not_exists=True)
         db["adapters"].create({
@@ -307,8 +308,8 @@ class Store:
     # ---------------------------------------------------------------- transitions (the rehearsal memory)
 
     def add_transitions(self, transitions: list[Transition]) -> list[Transition]:
-        """Write real (call, response) pairs in one transaction; one already held (same call, response, source
-        and task) is not written twice. Returns the transitions that were new, with their row ids."""
+        """Write real (call, response) pairs in one transaction; one already held (same call, response, source,
+        task and episode) is not written twice. Returns the transitions that were new, with their row ids."""
         def write() -> list[Transition]:
             added = []
             with self._atomic():
@@ -318,7 +319,7 @@ class Store:
                            "response": _json(t.response), "response_key": canonical_json(t.response),
                            "error": int(t.error), "read_only": int(t.read_only), "source": t.source,
                            "task_id": t.task_id or "", "split": t.split, "episode_id": t.episode_id,
-                           "step": t.step, "branch": t.branch, "created_at": utcnow()}
+                           "episode_key": t.episode_id or "", "step": t.step, "branch": t.branch, "created_at": utcnow()}
                     cursor = self.db.execute(
                         f"insert or ignore into transitions ({', '.join(row)}) values ({', '.join('?' * len(row))})",
                         list(row.values()))

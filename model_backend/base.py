@@ -26,6 +26,9 @@ class Constraint:
     """Text after the JSON."""
     allow_text: bool = False
     """A plain-text reply is allowed instead (one that does not start like a call)."""
+    close_strings: bool = False
+    """Close a string that starts to loop, and close the value before the token budget runs out
+    (`constrain.RowMatcher`): a Rehearse prediction is always complete JSON."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .base import Constraint
+from .loops import open_string, repeated_phrase
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,36 @@ def _fresh_matcher(tokenizer: Any, grammar: str) -> Any:
     return matcher
 
 
+CLOSE_MARGIN = 16
+"""With `Constraint.close_strings`, this many tokens before the budget the row starts closing its JSON."""
+_CLOSERS = frozenset('"}]')
+
+
+@functools.lru_cache(maxsize=8)
+def _closing_tokens(tokenizer: Any) -> torch.Tensor:
+    """A bool mask [len(tokenizer)] of the tokens made only of `"`, `}` and `]`: what closes a JSON value."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([bool(t) and set(t) <= _CLOSERS for t in tokens], dtype=torch.bool)
+
+
 class RowMatcher:
-    """The grammar state of one decoded row: which tokens may come next, fed token by token."""
+    """The grammar state of one decoded row: which tokens may come next, fed token by token.
+
+    With `Constraint.close_strings` (Rehearse), a string that starts to loop (`loops.repeated_phrase`) is closed
+    and, `CLOSE_MARGIN` tokens before `budget`, the whole value is: where the grammar allows a closing token
+    (`"`, `}`, `]`) only those are allowed, so the prediction ends as valid JSON instead of being cut off.
+    """
 
     def __init__(self, tokenizer: Any, constraint: Constraint) -> None:
         self._matcher = _fresh_matcher(tokenizer, grammar_text(constraint)).deep_copy()
+        self._tokenizer = tokenizer
+        self.close_strings = constraint.close_strings
+        self.budget: int | None = None
+        """The row's token budget (the decoder sets it); None: no budget closing."""
+        self.consumed = 0
+        self.closed = 0
+        """How many times a string was closed early (a loop, or the budget)."""
+        self._text = ""
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """A bool mask [vocab_size] of the tokens the grammar allows next (EOS when complete)."""
@@ -96,12 +122,31 @@ class RowMatcher:
         bits = torch.full((words,), -1, dtype=torch.int32)
         self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
         shifts = torch.arange(32, dtype=torch.int32)
-        mask = ((bits[:, None] >> shifts) & 1).bool().reshape(-1)
-        return mask[:vocab_size]
+        mask = ((bits[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
+        if self.close_strings and self._closing():
+            closers = _closing_tokens(self._tokenizer)
+            width = min(vocab_size, closers.shape[0])
+            closing = mask.clone()
+            closing[:width] &= closers[:width]
+            closing[width:] = False
+            if bool(closing.any()):
+                self.closed += 1
+                return closing
+        return mask
+
+    def _closing(self) -> bool:
+        if self.budget is not None and self.consumed >= self.budget - CLOSE_MARGIN:
+            return True
+        current = open_string(self._text)
+        return current is not None and repeated_phrase(current) is not None
 
     def consume(self, token: int) -> bool:
         """Advance by one token; False when the grammar rejects it (the row then stops)."""
-        return bool(self._matcher.consume_token(token))
+        ok = bool(self._matcher.consume_token(token))
+        if ok and self.close_strings:
+            self.consumed += 1
+            self._text += self._tokenizer.decode([token])
+        return ok
 
     def forced(self, limit: int) -> list[int]:
         """Consume and return the tokens the grammar forces from here (at most `limit`): the only way on, so

@@ -496,6 +496,9 @@ def generate(
     # Stop strings are text; a token is at least one byte, so this many tokens cover any stop.
     windows = [max((len(s.encode()) for s in row.stop), default=0) + 2 for row in rows]
     done = [False] * batch
+    for row in rows:
+        if row.matcher is not None:
+            row.matcher.budget = max_new_tokens  # a Rehearse row closes its JSON before the budget runs out
     # Rows that are the same sequence so far (K sampled Act rows of one prompt agree on `<tool_call>{"name": "`
     # and often the tool): each points at the first of them, whose keys and logits the native step copies
     # (`fast_step.Step`'s `twins`), so K identical rows cost one until their tokens differ.

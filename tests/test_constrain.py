@@ -154,6 +154,36 @@ def test_an_unbuildable_grammar_falls_back_with_a_warning(tokenizer: Any, caplog
     assert "cannot be built" in caplog.text
 
 
+@pytest.mark.slow
+def test_a_rehearsal_string_that_loops_or_nears_the_budget_is_closed(tokenizer: Any) -> None:
+    from model_backend.constrain import CLOSE_MARGIN, RowMatcher
+
+    constraint = rehearse_constraint(None)
+    assert constraint.close_strings
+
+    def fed(text: str) -> RowMatcher:
+        m = RowMatcher(tokenizer, constraint)
+        assert all(m.consume(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        return m
+
+    def only_closers(m: RowMatcher) -> bool:
+        allowed = m.allowed(len(tokenizer)).nonzero().flatten().tolist()
+        return all(set(tok) <= set('"}]') for tok in tokenizer.convert_ids_to_tokens(allowed))
+
+    looping = fed('{"error": "mkdir: No such dir: No such user: No such group: No such file: No such')
+    assert only_closers(looping) and looping.closed == 1
+    assert not only_closers(fed('{"error": "mkdir: No such dir: No such user'))  # not a loop yet
+    near = fed('{"error": "mkdir: cannot')
+    assert not only_closers(near)
+    near.budget = near.consumed + CLOSE_MARGIN  # as many tokens left as closing may need
+    assert only_closers(near)
+    # Without the flag (Act's constraint) nothing is closed early.
+    free = RowMatcher(tokenizer, Constraint(schema={}, close="</x>"))
+    assert all(free.consume(t) for t in tokenizer.encode('{"e": "No such a: No such b: No such c: No such d: No such',
+                                                            add_special_tokens=False))
+    assert not only_closers(free)
+
+
 # ---------------------------------------------------------------- decoding with the shipped agent
 
 
@@ -209,9 +239,12 @@ def test_constrained_rehearsals_are_json_of_the_response_schema(policy: Any) -> 
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
     for (tools, call, _), prompt, gen in zip(calls, prompts, policy.rehearse(prompts, config)):
         predicted, error = parse_result(gen.text)
-        if gen.finished:
-            assert error is None, gen.text
-            assert jsonschema.Draft7Validator(prompt.constraint.schema).is_valid(predicted), gen.text
+        assert error is None, gen.text  # finished or not: the value is closed before the budget runs out
+        assert jsonschema.Draft7Validator(prompt.constraint.schema).is_valid(predicted), gen.text
+    # A budget far too small for most responses still ends every prediction as complete JSON.
+    tight = GenerationConfig(max_new_tokens=20, temperature=0.0, stop=REHEARSE_STOP)
+    for gen in policy.rehearse(prompts, tight):
+        assert parse_result(gen.text)[1] is None, gen.text
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     recorder = Recorder(store)
     runner = EpisodeRunner(task, policy, settings, model=args.model, adapter=args.adapter, on_step=recorder,
-                           memory=open_memory(store))
+                           memory=open_memory(store) if settings.memory != "off" else None)
     recorder.start(runner.episode)
     out = sys.stderr if args.json else sys.stdout
     print(f"Episode {runner.episode.id}: {task.id} | model {args.model} | adapter {args.adapter or 'none'} "

@@ -37,6 +37,13 @@ def register(sub: Any) -> None:
                    help="expert Rehearse rows in round 1 (0: all 852)")
     p.add_argument("--single-turn-rows", type=int, default=d.single_turn_rows,
                    help="Act rows from BFCL single-turn tool selection (multiple, live_multiple) in round 1 (-1: all)")
+    p.add_argument("--rehearse-categories", default=",".join(d.rehearse_categories),
+                   help="BFCL categories whose training split gives Rehearse rows (comma-separated)")
+    p.add_argument("--act-rows", type=int, default=None, help="sample this many expert Act rows (default: all)")
+    p.add_argument("--memory-k", type=int, default=d.memory_k,
+                   help="real transitions retrieved into each Rehearse row's prompt (0: none)")
+    p.add_argument("--memory-share", type=float, default=d.memory_share,
+                   help="with --memory-k: the share of Rehearse rows given memory")
     p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
     p.add_argument("--parent", default=None,
                    help="continue this adapter directory (a warm start) instead of a new LoRA")
@@ -85,6 +92,7 @@ def _bar(total: int, desc: str) -> tuple[Any, Callable[[Any], None]]:
 
 
 def cmd_train_agent(args: argparse.Namespace) -> int:
+    from app.envs.bfcl_tasks import CATEGORIES
     from app.training.agent import SHIPPED_ADAPTER, AgentTrainingConfig, train_agent
 
     cfg = AgentTrainingConfig(out=Path(args.out) if args.out else SHIPPED_ADAPTER, seed=args.seed,
@@ -94,9 +102,18 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               eval_minutes=args.eval_minutes, self_rounds=args.self_rounds,
                               round1_steps=args.round1_steps, rehearse_rows=args.rehearse_rows or None,
                               rollout_tasks=args.rollout_tasks, single_turn_rows=args.single_turn_rows,
-                              parent=Path(args.parent) if args.parent else None)
-    if args.self_rounds < 1 or args.rollout_tasks < 1 or args.round1_steps < 1:
-        raise UserError("--self-rounds, --rollout-tasks and --round1-steps must be at least 1")
+                              parent=Path(args.parent) if args.parent else None,
+                              rehearse_categories=tuple(c.strip() for c in args.rehearse_categories.split(",")
+                                                        if c.strip()),
+                              act_rows=args.act_rows, memory_k=args.memory_k, memory_share=args.memory_share)
+    if args.self_rounds < 0 or args.rollout_tasks < 1 or args.round1_steps < 1:
+        raise UserError("--self-rounds must be 0 or more; --rollout-tasks and --round1-steps at least 1")
+    unknown = [c for c in cfg.rehearse_categories if c not in CATEGORIES]
+    if unknown or not cfg.rehearse_categories:
+        raise UserError(f"--rehearse-categories: unknown {', '.join(unknown) or '(none given)'}; "
+                        f"valid: {', '.join(CATEGORIES)}")
+    if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1:
+        raise UserError("--memory-k must be 0-8 and --memory-share 0-1")
     if args.parent and not (Path(args.parent) / "adapter_config.json").is_file():
         raise UserError(f"--parent {args.parent} is not a LoRA adapter directory")
     for name in ("eval_tasks", "eval_turns"):

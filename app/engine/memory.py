@@ -11,16 +11,17 @@ first, then BM25 (`bm25s`) over the canonical arguments' tokens (argument values
 whole under its argument's name), newer first among equals; the same (call, response) is shown once.
 
 `MemoryScope` says what a rehearsal may see (`RunSettings.memory`): `off`; `seed` (only the training
-split's replays and explorations); `online` (everything). Evaluation excludes the evaluated task's own
+split's replays and explorations, and what the same episode observed); `online` (everything). Evaluation excludes the evaluated task's own
 transitions (its ground truth, an earlier row's episode of it) unless the same episode observed them
 (`exclude_task`), so no figure is measured on what it retrieves.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from app.envs.base import Tool
 from app.formats import canonical_call, canonical_json
@@ -48,11 +49,11 @@ class MemoryScope:
     def admits(self, t: Transition) -> bool:
         if self.mode == "off":
             return False
+        if self.episode_id is not None and t.episode_id == self.episode_id:
+            return True  # observed earlier in this very episode: fair in every mode
         if self.mode == "seed" and not (t.source in SEED_SOURCES and t.split == "train"):
             return False
-        if self.exclude_task and self.task_id is not None and t.task_id == self.task_id:
-            return self.episode_id is not None and t.episode_id == self.episode_id
-        return True
+        return not (self.exclude_task and self.task_id is not None and t.task_id == self.task_id)
 
 
 def _tokens(arguments: dict[str, Any]) -> list[str]:
@@ -65,9 +66,10 @@ def _tokens(arguments: dict[str, Any]) -> list[str]:
     return out
 
 
-def _key(t: Transition) -> tuple[str, str, str, str]:
+def _key(t: Transition) -> tuple[str, str, str, str, str]:
+    """What makes a transition new (the store's unique index): an episode keeps its own observations."""
     return (canonical_call(Call(name=t.tool, arguments=t.arguments)), canonical_json(t.response), t.source,
-            t.task_id or "")
+            t.task_id or "", t.episode_id or "")
 
 
 class _ToolIndex:
@@ -90,6 +92,8 @@ class _ToolIndex:
         if self._bm25 is None:
             import bm25s  # numpy only; kept out of import time
 
+            logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every index build at DEBUG
+
             corpus = [_tokens(t.arguments) or ["<none>"] for t in self.items]
             self._bm25 = bm25s.BM25()
             self._bm25.index(corpus, show_progress=False)
@@ -102,7 +106,7 @@ class RehearsalMemory:
     def __init__(self, store: "Store | None" = None, transitions: Iterable[Transition] = ()) -> None:
         self.store = store
         self._tools: dict[str, _ToolIndex] = {}
-        self._keys: set[tuple[str, str, str, str]] = set()
+        self._keys: set[tuple[str, str, str, str, str]] = set()
         self._lock = threading.Lock()
         self._index(list(transitions))
 
@@ -110,6 +114,17 @@ class RehearsalMemory:
     def from_store(cls, store: "Store") -> "RehearsalMemory":
         """Everything the store holds (the seed and what earlier sessions observed)."""
         return cls(store, store.transitions())
+
+    def transitions(self) -> list[Transition]:
+        """Every transition held, in the order they were added per tool."""
+        with self._lock:
+            return [t for index in self._tools.values() for t in index.items]
+
+    def detached(self, limit: int | None = None) -> "RehearsalMemory":
+        """An in-memory copy that writes nothing to the store (what a measurement adds stays out of the product's
+        memory); `limit` keeps the first `limit` transitions (the memory-size curve)."""
+        held = self.transitions()
+        return RehearsalMemory(None, held if limit is None else held[:limit])
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -144,10 +159,32 @@ class RehearsalMemory:
             fresh = self.store.add_transitions(fresh)
         return self._index(fresh)
 
-    def retrieve(self, call: Call, scope: MemoryScope, k: int) -> list[MemoryHit]:
-        """The `k` most similar admitted transitions of `call`'s tool, most similar first."""
+    def retrieve(self, call: Call, scope: MemoryScope, k: int, recent: Sequence[Transition] = ()) -> list[MemoryHit]:
+        """The `k` most similar admitted transitions of `call`'s tool, most similar first.
+
+        `recent`: transitions the episode observed that the memory does not hold (a replayed or forced episode,
+        whose calls are not written): they rank as the episode's own, an exact call match first, newest next."""
         if k <= 0 or scope.mode == "off":
             return []
+        wanted = canonical_call(call)
+        own = [(canonical_call(Call(name=t.tool, arguments=t.arguments)) == wanted, i, t)
+               for i, t in enumerate(recent) if t.tool == call.name]
+        own.sort(key=lambda x: (x[0], x[1]), reverse=True)
+        first = [MemoryHit(id=t.id, tool=t.tool, arguments=t.arguments, response=t.response, error=t.error,
+                           source=t.source, task_id=t.task_id, score=1e6)
+                 for _, _, t in own][:k]
+        if len(first) == k:
+            return first
+        rest = self._retrieve(call, scope, k + len(first))
+        shown = {(canonical_call(Call(name=h.tool, arguments=h.arguments)), canonical_json(h.response)) for h in first}
+        for h in rest:
+            pair = (canonical_call(Call(name=h.tool, arguments=h.arguments)), canonical_json(h.response))
+            if pair not in shown and len(first) < k:
+                shown.add(pair)
+                first.append(h)
+        return first
+
+    def _retrieve(self, call: Call, scope: MemoryScope, k: int) -> list[MemoryHit]:
         with self._lock:
             index = self._tools.get(call.name)
             if index is None:
@@ -157,7 +194,12 @@ class RehearsalMemory:
                 return []
             scores = index.scores(call.arguments)
             wanted = canonical_call(call)
-            ranked = sorted(admitted, key=lambda i: (index.calls[i] == wanted, scores[i], i), reverse=True)
+            def rank(i: int) -> tuple:
+                t = index.items[i]
+                same_episode = scope.episode_id is not None and t.episode_id == scope.episode_id
+                return (index.calls[i] == wanted, same_episode, t.source != "explore", not t.error, scores[i], i)
+
+            ranked = sorted(admitted, key=rank, reverse=True)
             hits, shown = [], set()
             for i in ranked:
                 t = index.items[i]

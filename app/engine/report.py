@@ -14,7 +14,7 @@ def branch_json(b: Branch) -> dict[str, Any]:
         "sampled": b.sampled, "predicted": b.predicted, "predicted_text": b.predicted_text,
         "actual": b.actual, "actual_source": b.actual_source, "actual_error": b.actual_error,
         "chosen": b.chosen, "scores": b.scores, "metrics": b.metrics.model_dump(),
-        "duplicates": b.duplicates,
+        "duplicates": b.duplicates, "memory": [h.model_dump() for h in b.memory],
     }
 
 
@@ -55,6 +55,9 @@ def format_branch(b: Branch) -> list[str]:
              + (f"  (+{b.duplicates} dup)" if b.duplicates else "")]
     if b.predicted_text is not None:
         lines.append(f"      predicted: {_short(b.predicted if b.predicted is not None else b.predicted_text)}")
+    for h in b.memory:
+        lines.append(f"      memory ({h.source}{', ' + h.task_id if h.task_id else ''}): "
+                     f"{_short(h.arguments, 50)} -> {_short(h.response, 60)}")
     if b.actual_source:
         lines.append(f"      actual ({b.actual_source}): {_short(b.actual)}")
     m = b.metrics

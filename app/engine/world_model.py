@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.divergence import is_error
@@ -54,6 +54,9 @@ class Rehearsal:
     """The prediction is an `{"error": ...}` response: the model expects this call to fail."""
     confidence: float | None
     """exp(mean token log-probability) of the prediction under the model, in (0, 1]."""
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    """The real transitions the prediction was conditioned on (tool, arguments, response, source, task_id):
+    the rehearsal memory's hits for this call (`app.engine.memory`)."""
 
 
 @dataclass
@@ -195,15 +198,18 @@ class WorldModel:
     """A policy's Rehearse (and Act) roles over a caller's tools and conversation."""
 
     def __init__(self, policy: Policy, *, constrain: bool = True, seed: int = 0, temperature: float = 0.8,
-                 max_action_tokens: int = 96, max_rehearsal_tokens: int = 128) -> None:
+                 max_action_tokens: int = 96, max_rehearsal_tokens: int = 128, memory: Any = None) -> None:
         self.policy = policy
+        self.memory = memory
+        """A `RehearsalMemory` the rehearsals retrieve from (None: prompts without memory)."""
         self.base = dict(constrain=constrain, seed=seed, temperature=temperature, shadow=False,
                          max_action_tokens=max_action_tokens, max_rehearsal_tokens=max_rehearsal_tokens)
 
     def _step(self, tools: list[Tool], history: list[HistoryItem], k: int) -> StepContext:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", **self.base)
         task = Task(id=CONVERSATION_TASK_ID, category="conversation", turns=[[]], env_classes=[])
-        runner = EpisodeRunner(task, self.policy, settings, env=ConversationEnv(tools), judge=_NoJudge())
+        runner = EpisodeRunner(task, self.policy, settings, env=ConversationEnv(tools), judge=_NoJudge(),
+                               memory=self.memory)
         runner.history = list(history)
         return StepContext(runner=runner, index=0, tools_list=tools, state_before={})
 
@@ -243,7 +249,8 @@ class WorldModel:
         confidence = {b.index: round(math.exp(sum(lp) / max(1, len(lp))), 4) for b, lp in zip(scored, logprobs)}
         return [Rehearsal(call=b.call.model_dump(), predicted=b.predicted, predicted_text=b.predicted_text or "",
                           valid=ctx.predicted_valid.get(b.index, False), predicts_error=is_error(b.predicted),
-                          confidence=confidence.get(b.index)) for b in branches]
+                          confidence=confidence.get(b.index), memory=[h.model_dump() for h in b.memory])
+                for b in branches]
 
 
 def as_dict(value: Rehearsal | Candidate) -> dict[str, Any]:

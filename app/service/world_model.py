@@ -24,7 +24,7 @@ class WorldModelTools:
         self.adapter = resolve_adapter(model, adapter)
 
     def _world(self) -> WorldModel:
-        return WorldModel(self.services.policy(self.model, self.adapter))
+        return WorldModel(self.services.policy(self.model, self.adapter), memory=self.services.memory())
 
     def rehearse(self, tools: list[dict], history: list[dict], call: dict) -> str:
         """Predict what a tool call will return, before spending the real call.
@@ -39,7 +39,7 @@ class WorldModelTools:
             call: the call to rehearse: {"name": <a tool name>, "arguments": {...}}.
 
         Returns:
-            A JSON object: {"call", "predicted" (the expected response), "predicted_text", "valid" (the prediction parsed), "predicts_error", "confidence" (0 to 1)}.
+            A JSON object: {"call", "predicted" (the expected response), "predicted_text", "valid" (the prediction parsed), "predicts_error", "confidence" (0 to 1), "memory" (the real transitions of the same tool the prediction was conditioned on: arguments, response, source)}.
         """
         try:
             return _json(as_dict(self._world().rehearse(tools, history, call)))

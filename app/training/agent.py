@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tqdm.auto import tqdm
+
 from app import envs
 from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER, shipped_adapter
-from app.divergence import aggregate, compare
+from app.divergence import aggregate, compare, looping
 from app.eval.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
-from app.records import Episode, RunSettings
+from app.records import Episode, RunSettings, Transition
 from app.training.rows import (PromptContext, expert_episode, expert_rows,
                                rehearse_row_prompt, replay, self_training_rows, single_turn_rows)
 
@@ -55,6 +57,16 @@ class AgentTrainingConfig:
     """Continue this adapter (a warm start: its rounds are not redone) instead of a new LoRA."""
     rehearse_rows: int | None = 220
     """Expert Rehearse rows sampled for round 1 (None: all 852; ~3 s each at ~500 tokens)."""
+    rehearse_categories: tuple[str, ...] = ("multi_turn_base",)
+    """BFCL categories whose training split (index mod 4 != 3) gives expert Rehearse rows (Act rows come from
+    `multi_turn_base` only: the other categories' turns ask the agent to notice a missing tool or argument)."""
+    act_rows: int | None = None
+    """Expert Act rows sampled for round 1 (None: all)."""
+    memory_k: int = 0
+    """Transitions retrieved into each Rehearse row's prompt from the rehearsal memory's seed (never the row's
+    own task's but its episode's earlier calls), as the rehearser does at run time; 0: no memory in rows."""
+    memory_share: float = 0.8
+    """With `memory_k`: the share of Rehearse rows given memory (the others keep the plain prompt)."""
     single_turn_rows: int = 0
     """Act rows from BFCL single-turn tool selection (`rows.single_turn_rows`, 1,205 in all) sampled into
     round 1 (0: none, the shipped adapter's recipe; -1: all)."""
@@ -122,27 +134,70 @@ def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int
     return runner.episode
 
 
-def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int, batch: int = 8,
-                     constrain: bool = True) -> dict[str, Any]:
-    """Rehearsal fidelity on the expert traces of `task_ids` (every model sees the same calls and history)."""
+def _category(task_id: str) -> str:
+    """`bfcl:multi_turn_base_12` -> `multi_turn_base`; a task id without an index is its own category."""
+    name = task_id.split(":", 1)[-1]
+    head, _, tail = name.rpartition("_")
+    return head if tail.isdigit() else name
+
+
+def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = None, batch: int = 8,
+                     constrain: bool = True, memory: Any = None, memory_k: int = 3,
+                     details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Rehearsal fidelity on the ground-truth calls of `task_ids`, each with its real history (every model sees
+    the same calls), by access (read-only, state-changing) and category, with the looping predictions counted.
+
+    `memory` (`RehearsalMemory`): each prompt carries the `memory_k` transitions it retrieves in `seed` scope (the
+    training split's), never the task's own, except the task's earlier ground-truth calls (observed earlier in
+    the same episode; passed as `recent`, so nothing is written to the memory).
+    `details` receives one dict per call (task, tool, arguments, actual, text, metrics, what was retrieved).
+    """
+    from app.engine.memory import MemoryScope, observed
     from model_backend.base import GenerationConfig
 
-    prompts, actuals = [], []
+    items: list[tuple[str, Any, Any, Any, Any]] = []  # task, call, actual, tool, retrieved
+    prompts = []
     for task_id in task_ids:
         task = envs.load_task(task_id)
-        for view in replay(expert_episode(task), task):
+        episode = expert_episode(task)
+        scope = MemoryScope("seed", task_id=task_id, episode_id=episode.id, exclude_task=True)
+        recent: list[Transition] = []  # the task's earlier ground-truth calls: observed earlier in the episode
+        for view in replay(episode, task):
             b = view.step.chosen_branch
-            if b.kind == "call" and b.call is not None and len(prompts) < max_calls:
-                prompts.append(rehearse_row_prompt(view, b.call, constrain=constrain))
-                actuals.append(b.actual)
+            if b.kind != "call" or b.call is None or (max_calls is not None and len(prompts) >= max_calls):
+                continue
+            tool = next((t for t in view.tools if t.name == b.call.name), None)
+            examples = memory.retrieve(b.call, scope, memory_k, recent) if memory is not None else []
+            prompts.append(rehearse_row_prompt(view, b.call, constrain=constrain, examples=examples))
+            items.append((task_id, b.call, b.actual, tool, examples))
+            recent += observed(view.step, task_id=task_id, split=task.extra.get("split"), episode_id=episode.id,
+                               tools={t.name: t for t in view.tools})
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
-    metrics = []
-    for i in range(0, len(prompts), batch):
-        for gen, actual in zip(policy.rehearse(prompts[i:i + batch], config), actuals[i:i + batch]):
+    metrics, groups, loops = [], {}, 0
+    for i in tqdm(range(0, len(prompts), batch), desc="forced rehearsal", unit="batch", leave=False):
+        for gen, (task_id, call, actual, tool, examples) in zip(policy.rehearse(prompts[i:i + batch], config),
+                                                                items[i:i + batch]):
             predicted, error = parse_result(gen.text)
-            metrics.append(compare(predicted, error is None, actual))
+            m = compare(predicted, error is None, actual)
+            metrics.append(m)
+            loops += looping(gen.text)
+            access = "unknown tool" if tool is None else ("read-only" if tool.read_only else "state-changing")
+            for key in (f"access:{access}", f"category:{_category(task_id)}"):
+                groups.setdefault(key, []).append(m)
+            if details is not None:
+                details.append({"task": task_id, "tool": call.name, "arguments": call.arguments, "access": access,
+                                "actual": actual, "text": gen.text, **m.model_dump(exclude={"surprise"}),
+                                "memory": [h.model_dump() for h in examples]})
+    fields = ("n", "exact", "field_f1", "error_agree", "json_valid")
     agg = aggregate(metrics)
-    return {k: agg[k] for k in ("n", "exact", "field_f1", "error_agree", "json_valid")}
+    out: dict[str, Any] = {k: agg[k] for k in fields}
+    out["looping"] = loops
+    out["by_access"] = {k.split(":", 1)[1]: {f: aggregate(v)[f] for f in fields}
+                        for k, v in sorted(groups.items()) if k.startswith("access:")}
+    out["by_category"] = {k.split(":", 1)[1]: {f: aggregate(v)[f] for f in fields}
+                          for k, v in sorted(groups.items()) if k.startswith("category:")}
+    out["memory"] = {"k": memory_k, "transitions": len(memory)} if memory is not None else None
+    return out
 
 
 def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forced_calls: int = 40,
@@ -208,8 +263,16 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     rng = random.Random(cfg.seed)
     loaded = load_model(cfg.spec, adapter=cfg.parent)  # peft wraps this copy; trainable_model continues it
     tok = loaded.tokenizer
+    memory = None
+    if cfg.memory_k > 0:
+        from app.engine.memory import RehearsalMemory
+        from app.training.memory_seed import seed_transitions, training_task_ids
+
+        memory = RehearsalMemory(None, seed_transitions(training_task_ids(("bfcl",))))
+        report(f"rehearsal memory for Rehearse rows: {len(memory)} training-split transitions {memory.counts()}")
     ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
-                        int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
+                        int(getattr(loaded.model.config, "max_position_embeddings", 8192)),
+                        memory=memory, memory_k=cfg.memory_k, memory_share=cfg.memory_share)
 
     def run_round(name: str, rows: list[Any], steps: int, minutes: float, model: Any) -> RoundSummary:
         encoded, dropped = encode_rows(tok, rows, cfg.max_seq_len, cfg.pack_len)
@@ -224,9 +287,17 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
 
     # 1. expert rows
     train_ids = envs.list_tasks("multi_turn_base", "train")[:cfg.train_tasks]
+    other_ids = [t for c in cfg.rehearse_categories if c != "multi_turn_base"
+                 for t in envs.list_tasks(c, "train")[:cfg.train_tasks]]
     rows, experts = expert_rows(train_ids, ctx)
+    other_rows, _ = expert_rows(other_ids, ctx) if other_ids else ([], [])
     act = [r for r in rows if r.role == "act"]
-    rehearse = [r for r in rows if r.role == "rehearse"]
+    if cfg.act_rows is not None:
+        rng.shuffle(act)
+        act = act[:cfg.act_rows]
+    rehearse = [r for r in rows + other_rows if r.role == "rehearse"]
+    if "multi_turn_base" not in cfg.rehearse_categories:
+        rehearse = [r for r in other_rows if r.role == "rehearse"]
     rng.shuffle(rehearse)
     round1_rows = act + rehearse[:cfg.rehearse_rows]
     report(f"expert traces: {len(experts)} tasks, {len(act)} Act rows, {len(rehearse)} Rehearse rows "
@@ -280,7 +351,11 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "parent": str(cfg.parent) if cfg.parent else None,
         "data": {"expert_tasks": len(train_ids), "split": "multi_turn_base, index mod 4 != 3",
-                 "expert_rows": _count(rows), "self_training_episodes": [e.task_id for e in episodes]},
+                 "rehearse_categories": list(cfg.rehearse_categories), "rehearse_tasks": len(train_ids) + len(other_ids),
+                 "memory": {"k": cfg.memory_k, "share": cfg.memory_share, "transitions": len(memory)}
+                 if memory is not None else None,
+                 "expert_rows": _count(rows + other_rows), "round1_rows": _count(round1_rows),
+                 "self_training_episodes": [e.task_id for e in episodes]},
         "rounds": [asdict(r) for r in rounds],
         "hardware": _hardware(torch),
         "train_seconds": round(time.perf_counter() - started, 1),

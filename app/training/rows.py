@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from app import envs
 from app.engine.history import call_required, committed_messages, turn_messages
+from app.engine.memory import MemoryScope, observed
 from app.envs.base import Task, Tool
 from app.envs.bfcl_tasks import SINGLE_TURN_CATEGORIES, single_turn_examples
 from app.formats import (TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
                          rehearse_target)
-from app.records import Annotation, Branch, Call, Episode, RunSettings, Step, TurnResult, utcnow
+from app.records import Annotation, Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Prompt
 from model_backend.training import TrainRow
 
@@ -42,6 +44,12 @@ class PromptContext:
     count_tokens: CountTokens
     context_window: int
     settings: RunSettings = field(default_factory=RunSettings)
+    memory: Any = None
+    """A `RehearsalMemory`: Rehearse rows carry what it retrieves for their call (never their own task's
+    transitions but those observed earlier in the same episode), as the rehearser's prompts do."""
+    memory_k: int = 0
+    memory_share: float = 1.0
+    """The share of Rehearse rows given memory (the rest keep the prompt without it, so both work)."""
 
 
 # ---------------------------------------------------------------- expert traces
@@ -131,10 +139,11 @@ def act_row_prompt(view: StepView, ctx: PromptContext) -> Prompt:
 
 
 def rehearse_row_prompt(view: StepView, call: Call, rehearsal_context: str = "history",
-                        constrain: bool = False) -> Prompt:
+                        constrain: bool = False, examples: Sequence[MemoryHit] = ()) -> Prompt:
+    """The Rehearse prompt of `call` at a replayed step; `examples`: retrieved real transitions."""
     tools = {t.name: t for t in view.tools}
     state = view.step.state_before if rehearsal_context == "history+state" else None
-    return rehearse_prompt(tools.get(call.name), call, view.history, state, constrain=constrain)
+    return rehearse_prompt(tools.get(call.name), call, view.history, state, constrain=constrain, examples=examples)
 
 
 def act_target(branch: Branch, prefill: str = "") -> str | None:
@@ -162,7 +171,8 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
     """
     rows: list[TrainRow] = []
     settings = ctx.settings.model_copy(update={"tool_choice": episode.settings.tool_choice})
-    ctx = PromptContext(ctx.count_tokens, ctx.context_window, settings)
+    ctx = replace(ctx, settings=settings)
+    recent: list[Any] = []  # real transitions observed earlier in the episode (what its rehearsals may see)
     for view in replay(episode, task):
         step = view.step
         ref = f"{episode.id}/{step.index}"
@@ -172,14 +182,27 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
             target = act_target(step.chosen_branch, prompt.prefill)
             if target is not None:
                 rows.append(TrainRow("act", prompt, target, source, f"{ref}/{step.chosen}"))
-        if not (in_turns or rehearse_all_turns):
-            continue
-        for b in step.branches:
+        for b in step.branches if in_turns or rehearse_all_turns else []:
             if b.kind == "call" and b.call is not None and b.actual_source is not None:
+                examples = _row_memory(ctx, episode, b, recent, f"{ref}/{b.index}")
                 rows.append(TrainRow("rehearse", rehearse_row_prompt(view, b.call, episode.settings.rehearsal_context,
-                                                                  episode.settings.constrain),
+                                                                  episode.settings.constrain, examples),
                                      rehearse_target(b.actual), source, f"{ref}/{b.index}"))
+        if ctx.memory is not None:
+            recent += observed(step, task_id=episode.task_id, split=task.extra.get("split"), episode_id=episode.id,
+                               tools={t.name: t for t in view.tools})
     return rows
+
+
+def _row_memory(ctx: PromptContext, episode: Episode, branch: Branch, recent: list[Any], ref: str) -> list[MemoryHit]:
+    """What a Rehearse row's prompt retrieves: what the branch was shown when it ran (`Branch.memory`), else
+    the memory's hits for its call, never its own task's but for the episode's earlier calls."""
+    if ctx.memory is None or ctx.memory_k <= 0 or zlib.crc32(ref.encode()) % 1000 >= ctx.memory_share * 1000:
+        return []
+    if branch.memory:
+        return list(branch.memory)
+    scope = MemoryScope("seed", task_id=episode.task_id, episode_id=episode.id, exclude_task=True)
+    return ctx.memory.retrieve(branch.call, scope, ctx.memory_k, recent)
 
 
 def expert_rows(task_ids: Iterable[str], ctx: PromptContext) -> tuple[list[TrainRow], list[Episode]]:
@@ -265,7 +288,8 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
     """
     rows: list[TrainRow] = []
     settings = ctx.settings.model_copy(update={"tool_choice": episode.settings.tool_choice})
-    ctx = PromptContext(ctx.count_tokens, ctx.context_window, settings)
+    ctx = replace(ctx, settings=settings)
+    recent: list[Any] = []  # real transitions observed earlier in the episode (what its rehearsals may see)
     for view in replay(episode, task):
         for b in view.step.branches:
             found = corrections.get((view.step.index, b.index))

@@ -29,6 +29,7 @@ VIEW_CSS = """
 .ea-parse-error, .ea-error { color: #dc2626; font-weight: 600; }
 .ea-metrics { font-size: 12px; margin-top: 4px; }
 .ea-fork-diff { font-size: 12px; margin-top: 4px; }
+.ea-memory { font-size: 12px; margin-top: 4px; }
 .ea-table { border-collapse: collapse; width: 100%; font-size: 12px; }
 .ea-table td, .ea-table th { border: 1px solid rgba(128,128,128,.3); padding: 3px 6px; text-align: left; vertical-align: top; }
 .ea-added { background: rgba(22,163,74,.1); }

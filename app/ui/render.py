@@ -188,6 +188,21 @@ def fork_diff(b: Branch, state_before: dict[str, Any] | None) -> str:
             f'(this call on its own fork; the episode is untouched)</summary>{changes_table(rows)}</details>')
 
 
+def memory_provenance(b: Branch) -> str:
+    """The real transitions the rehearsal was conditioned on (`Branch.memory`): a person sees why the model
+    predicted what it did, and which memory misled it."""
+    if not b.memory:
+        return ""
+    rows = "".join(
+        f'<tr><td><code>{esc(short(h.arguments, 70))}</code></td><td><code>{esc(short(h.response, 90))}</code></td>'
+        f'<td>{esc(h.source)}{" · error" if h.error else ""}</td><td>{esc(h.task_id or "")}</td>'
+        f'<td>{"exact call" if h.score >= 1e6 else f"{h.score:.2f}"}</td></tr>'
+        for h in b.memory)
+    return (f'<details class="ea-memory"><summary>Rehearsed with {len(b.memory)} real transition(s) from memory'
+            f'</summary><table class="ea-table"><tr><th>arguments</th><th>real response</th><th>source</th>'
+            f'<th>task</th><th>match</th></tr>{rows}</table></details>')
+
+
 def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
     """One branch as a card. `state_before`: the step's state, to diff a shadow fork's state against."""
     classes = "ea-card ea-committed" if b.chosen else "ea-card"
@@ -232,7 +247,7 @@ def branch_card(b: Branch, state_before: dict[str, Any] | None = None) -> str:
             body += (f'<details class="ea-diff-box" open><summary>Diff: predicted (-) vs actual (+)</summary>'
                      f'<pre class="ea-diff">{json_diff(b.predicted, b.actual, raw=b.predicted_text if invalid else None)}'
                      '</pre></details>')
-        body += fork_diff(b, state_before)
+        body += memory_provenance(b) + fork_diff(b, state_before)
     return f'<div class="{classes}" data-branch="{b.index}">{head}{body}{metrics_html(b)}</div>'
 
 
