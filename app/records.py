@@ -209,14 +209,19 @@ class RunSettings(BaseModel):
     product (it learns from every real response it sees), `seed` for evaluation tables."""
     memory_k: int = Field(3, ge=0, le=8)
     """How many retrieved transitions a Rehearse prompt shows (at most; fewer within the token budget)."""
+    keep_primary: bool = True
+    """Parallel mode: the selector may move the commit off the greedy primary (branch 0) only on evidence shown to
+    be reliable: the primary's rehearsal predicts an error and the chosen branch's does not
+    (`selection.keep_primary`). Off: the selector's highest score commits, however small its margin."""
 
     @classmethod
     def from_stored(cls, values: dict[str, Any]) -> "RunSettings":
         """Settings read back from a store or a file: those written before `constrain` existed
         were decoded freely, so a missing `constrain` means False there (not the new default); those
         written before `proposal` existed sampled their alternatives (the default); those written before
-        `relevance` existed ranked no tools (0); those written before `memory` existed retrieved nothing."""
-        return cls(**{"constrain": False, "relevance": 0.0, "memory": "off", **values})
+        `relevance` existed ranked no tools (0); those written before `memory` existed retrieved nothing; those
+        written before `keep_primary` existed committed the selector's choice."""
+        return cls(**{"constrain": False, "relevance": 0.0, "memory": "off", "keep_primary": False, **values})
 
 
 class Episode(BaseModel):

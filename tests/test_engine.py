@@ -173,7 +173,7 @@ def test_sequential_retries_while_rehearsal_predicts_failure():
 
 def test_memory_selector_lets_the_policy_write_the_committed_call():
     r, policy = runner([[call("get", key="missing"), call("list_keys")], [call("list_keys")]],
-                       settings=RunSettings(mode="parallel", branches=2, selector="memory"))
+                       settings=RunSettings(mode="parallel", branches=2, selector="memory", keep_primary=False))
     step = r.step()
     assert step.branches[step.chosen].call.name == "list_keys"
     assert step.branches[step.chosen].scores["memory"] == 1.0
@@ -386,3 +386,19 @@ def test_with_tools_ranked_the_primary_stands_unless_its_rehearsal_foresees_an_e
 
     assert run(lambda text: {"ok": True}) == "call"
     assert run(lambda text: {"error": "no such key"}) == "answer"
+
+
+@pytest.mark.parametrize("primary_error, keep, committed", [
+    (False, True, "get"),        # the judge prefers the alternative, but no evidence against the primary
+    (False, False, "list_keys"),  # without the rule the top score commits
+    (True, True, "list_keys"),   # the primary's rehearsal foresees an error: the alternative commits
+])
+def test_keep_primary_moves_off_the_greedy_call_only_on_a_predicted_error(primary_error, keep, committed):
+    predicted = {"error": "no such key"} if primary_error else {"value": "L"}
+    r, _ = runner([[call("get", key="size"), call("list_keys")]],
+                  settings=RunSettings(mode="parallel", branches=2, keep_primary=keep),
+                  predict=lambda text: predicted if '"get"' in text.split("Call:")[-1] else {"keys": ["size"]},
+                  judge=lambda text: 0.9 if "list_keys" in text.split("Call:")[-1] else 0.89)
+    step = r.step()
+    assert step.chosen_branch.call.name == committed
+    assert step.branches[1].scores["judge"] > step.branches[0].scores["judge"]  # the judge did prefer list_keys

@@ -20,6 +20,9 @@ def add_engine_options(p: argparse.ArgumentParser, memory: str = "online") -> No
     """Options shared by `run` and `eval`: selector, sampling, budgets, model, database. `memory`: the
     default of `--memory` (`online` for a run, `seed` for an eval table)."""
     p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
+    p.add_argument("--keep-primary", action=argparse.BooleanOptionalAction, default=True,
+                   help="commit the greedy primary unless its rehearsal predicts an error and the selector's "
+                        "choice's does not (--no-keep-primary: the selector's top score commits)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
     p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")

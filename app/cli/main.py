@@ -87,6 +87,7 @@ def settings_from_args(args: argparse.Namespace):
                            shadow=not args.no_shadow, rehearsal_context=args.rehearsal_context,
                            tool_choice=args.tool_choice, proposal=args.proposal, relevance=args.relevance,
                            constrain=args.constrain == "on", memory=args.memory, memory_k=args.memory_k,
+                           keep_primary=args.keep_primary,
                            max_steps_per_turn=args.max_steps,
                            max_action_tokens=args.max_action_tokens,
                            max_rehearsal_tokens=args.max_rehearsal_tokens)

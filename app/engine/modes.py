@@ -30,7 +30,10 @@ def parallel(ctx: StepContext) -> int:
     ctx.branches = runner.parse_branches(ctx, runner.generate(ctx, runner.settings.branches))
     runner.rehearse(ctx, ctx.branches)
     runner.selector.score(ctx, ctx.branches)
-    return runner.selector.choose(ctx, ctx.branches)
+    chosen = runner.selector.choose(ctx, ctx.branches)
+    if runner.settings.keep_primary and runner.selector.name != "oracle":
+        chosen = selection.keep_primary(ctx.branches, chosen)
+    return chosen
 
 
 def sequential(ctx: StepContext) -> int:

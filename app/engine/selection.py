@@ -86,6 +86,18 @@ def choose(branches: list[Branch], selector: str) -> int:
     return best
 
 
+def keep_primary(branches: list[Branch], chosen: int) -> int:
+    """The greedy primary (branch 0) unless the selector's choice is backed by the one evidence measured to be
+    reliable: the primary's rehearsal predicts an error and the chosen branch's does not. On held-out turns the
+    judge's and log-probability's margins between branches are mostly within noise (0.01 apart), and moving
+    off the primary on them passed fewer turns than committing the primary (issue 35)."""
+    if chosen == 0 or not branches or branches[0].kind == "parse_error":
+        return chosen
+    if predicted_error(branches[0]) and not predicted_error(branches[chosen]):
+        return chosen
+    return 0
+
+
 class Selector(Protocol):
     name: str
     """The `RunSettings.selector` value that picks it."""

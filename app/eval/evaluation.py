@@ -69,6 +69,8 @@ class EvalConfig:
     """Real transitions the Rehearse prompts retrieve (RunSettings.memory): `seed` by default for tables (the
     training split only); the evaluated task's own transitions are never retrieved from another episode."""
     memory_k: int = 3
+    keep_primary: bool = True
+    """RunSettings.keep_primary: a selector moves the commit off the greedy primary only on a predicted error."""
     state_probe: int = 32
     """Committed/shadow calls re-rehearsed with and without the state snapshot (0: skip the probe)."""
 
@@ -77,6 +79,7 @@ class EvalConfig:
         base = dict(seed=self.seed, temperature=self.temperature, selector=self.selector, shadow=self.shadow,
                     rehearsal_context=self.rehearsal_context, tool_choice=self.tool_choice, proposal=self.proposal,
                     relevance=self.relevance, constrain=self.constrain, memory=self.memory, memory_k=self.memory_k,
+                    keep_primary=self.keep_primary,
                     max_steps_per_turn=self.max_steps_per_turn,
                     max_action_tokens=self.max_action_tokens, max_rehearsal_tokens=self.max_rehearsal_tokens)
         rows = {mode: RunSettings(mode=mode, branches=1 if mode == "none" else self.branches, **base)
