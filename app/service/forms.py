@@ -25,7 +25,8 @@ class SessionBusyError(InputError):
 
 _SETTING_NAMES = {"branches": "K (branches)", "seed": "Seed", "temperature": "Temperature",
                   "max_action_tokens": "Max action tokens", "max_rehearsal_tokens": "Max rehearsal tokens",
-                  "max_steps_per_turn": "Steps per turn"}
+                  "max_steps_per_turn": "Steps per turn", "memory_k": "Transitions per rehearsal",
+                  "memory": "Rehearsal memory"}
 
 
 def _bound(x: float) -> str:
@@ -54,6 +55,7 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
                    rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample",
                    relevance: Any = DEFAULT_RELEVANCE, constrain: bool = True,
+                   memory: str = "online", memory_k: Any = 3, keep_primary: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""
@@ -64,7 +66,8 @@ def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any,
                   seed=_whole("seed", seed, 0, 2**31 - 1), shadow=bool(shadow),
                   rehearsal_context=rehearsal_context, tool_choice=tool_choice, proposal=proposal,
                   relevance=parse_number("Tool relevance", relevance, 0, 4, whole=False),
-                  constrain=bool(constrain),
+                  constrain=bool(constrain), memory=memory, memory_k=_whole("memory_k", memory_k, 0, 8),
+                  keep_primary=bool(keep_primary),
                   max_action_tokens=_whole("max_action_tokens", max_action_tokens, 8, 1024),
                   max_rehearsal_tokens=_whole("max_rehearsal_tokens", max_rehearsal_tokens, 8, 2048))
     try:

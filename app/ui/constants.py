@@ -5,10 +5,10 @@ A label a callback compares against lives here once: a drifted copy would be a s
 from __future__ import annotations
 
 from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, DEFAULT_TASK
-from app.records import LABELS, MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import LABELS, MEMORY_MODES, MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 from app.trace_io import MAX_IMPORT_BYTES
 
-__all__ = ["LABELS", "MODES", "PROPOSALS", "REHEARSAL_CONTEXTS", "SELECTORS", "TOOL_CHOICES", "DEFAULT_MODEL", "DEFAULT_TASK"]
+__all__ = ["LABELS", "MEMORY_MODES", "MODES", "PROPOSALS", "REHEARSAL_CONTEXTS", "SELECTORS", "TOOL_CHOICES", "DEFAULT_MODEL", "DEFAULT_TASK"]
 
 TITLE = "EnvACE Inspector"
 
@@ -36,6 +36,9 @@ UI_DEFAULTS = {
     "proposal": "sample",
     "relevance": DEFAULT_RELEVANCE,
     "constrain": True,
+    "memory": "online",
+    "memory_k": 3,
+    "keep_primary": True,
     "max_action_tokens": 64,
     "max_rehearsal_tokens": 96,
 }

@@ -31,6 +31,8 @@ def request_from_form(form: dict[str, Any]) -> RunRequest:
         temperature=form["temperature"], seed=form["seed"], shadow=form["shadow"],
         rehearsal_context=form["rehearsal_context"], tool_choice=form["tool_choice"],
         proposal=form["proposal"], relevance=form["relevance"], constrain=bool(form["constrain"]),
+        memory=form.get("memory", C.UI_DEFAULTS["memory"]), memory_k=form.get("memory_k", C.UI_DEFAULTS["memory_k"]),
+        keep_primary=bool(form.get("keep_primary", C.UI_DEFAULTS["keep_primary"])),
         max_action_tokens=form["max_action_tokens"], max_rehearsal_tokens=form["max_rehearsal_tokens"])
     model = (form["model"] or "").strip()
     if not model:
@@ -54,7 +56,8 @@ def form_from_request(request: RunRequest) -> dict[str, Any]:
             "selector": s.selector, "temperature": s.temperature, "seed": s.seed, "shadow": s.shadow,
             "rehearsal_context": s.rehearsal_context, "tool_choice": s.tool_choice,
             "proposal": s.proposal, "relevance": s.relevance, "constrain": s.constrain, "max_action_tokens": s.max_action_tokens,
-            "max_rehearsal_tokens": s.max_rehearsal_tokens}
+            "max_rehearsal_tokens": s.max_rehearsal_tokens, "memory": s.memory, "memory_k": s.memory_k,
+            "keep_primary": s.keep_primary}
 
 
 class RunCallbacks:

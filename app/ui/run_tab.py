@@ -57,6 +57,12 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             with gr.Accordion("Advanced", open=False):
                 seed = gr.Number(d["seed"], label="Seed", info="0-2147483647")
                 selector = gr.Dropdown(list(C.SELECTORS), value=d["selector"], label="Selector")
+                keep_primary = gr.Checkbox(d["keep_primary"], label="Keep the greedy call unless its rehearsal "
+                                           "predicts an error", info="off: the selector's top score commits")
+                memory = gr.Radio(list(C.MEMORY_MODES), value=d["memory"], label="Rehearsal memory",
+                                  info="real transitions each rehearsal sees: online (everything observed), seed "
+                                       "(training split only), off")
+                memory_k = gr.Number(d["memory_k"], label="Transitions per rehearsal", info="0-8")
                 shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
                 context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
                 tool_choice = gr.Radio(list(C.TOOL_CHOICES), value=d["tool_choice"] if shipped is None else "auto",
@@ -97,6 +103,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             "model": model, "adapter": adapter, "mode": mode, "branches": branches, "selector": selector,
             "temperature": temperature, "seed": seed, "shadow": shadow, "rehearsal_context": context,
             "tool_choice": tool_choice, "proposal": proposal, "relevance": relevance, "constrain": constrain, "max_action_tokens": max_action_tokens,
+            "memory": memory, "memory_k": memory_k, "keep_primary": keep_primary,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
