@@ -9,7 +9,7 @@ import pytest
 from app import envs
 from app.divergence import looping
 from app.engine import EpisodeRunner, episode_json, format_step
-from app.engine.memory import MemoryScope, RehearsalMemory
+from app.engine.memory import MemoryScope, RehearsalMemory, scenario_of
 from app.formats import MEMORY_HEADER, rehearse_prompt
 from app.records import Call, RunSettings, Transition
 from app.store import Store
@@ -78,6 +78,11 @@ def test_scope_never_shows_the_evaluated_tasks_own_transitions_but_its_episodes(
     assert memory.retrieve(call, seed_eval, 1)[0].source == "committed"  # its own episode ranks first
     assert seen(MemoryScope("seed", task_id=task, episode_id="new", exclude_task=True)) == [
         ("explore", "bfcl:multi_turn_base_0")]
+    # A sibling category's variant of the same scenario knows the answer too: it is excluded with the task.
+    sibling = t("cd", {"current_working_directory": "a"}, source="committed", task_id="bfcl:multi_turn_miss_param_3",
+                split="heldout", episode_id="sib", folder="a")
+    assert memory.add([sibling]) and scenario_of("bfcl:multi_turn_miss_param_3") == scenario_of(task)
+    assert scenario_of("bfcl:multi_turn_long_context_33") != scenario_of(task) and scenario_of("mock:kv") == "mock:kv"
     online_eval = MemoryScope("online", task_id=task, episode_id="new", exclude_task=True)
     assert {h.task_id for h in memory.retrieve(call, online_eval, 8)} == {"bfcl:multi_turn_base_0",
                                                                         "bfcl:multi_turn_base_7"}

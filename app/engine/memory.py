@@ -43,8 +43,9 @@ class MemoryScope:
     task_id: str | None = None
     episode_id: str | None = None
     exclude_task: bool = False
-    """Leave out transitions of `task_id` that another episode observed (or a replay of its ground truth):
-    evaluation sets it, so a task is never rehearsed with its own answers."""
+    """Leave out transitions of `task_id`'s scenario (`scenario_of`) that another episode observed (or a replay of
+    its ground truth): evaluation sets it, so a task is never rehearsed with its own answers, and training rows
+    retrieve as evaluation will (no memory that knows the row's answer)."""
 
     def admits(self, t: Transition) -> bool:
         if self.mode == "off":
@@ -53,7 +54,19 @@ class MemoryScope:
             return True  # observed earlier in this very episode: fair in every mode
         if self.mode == "seed" and not (t.source in SEED_SOURCES and t.split == "train"):
             return False
-        return not (self.exclude_task and self.task_id is not None and t.task_id == self.task_id)
+        return not (self.exclude_task and self.task_id is not None and t.task_id is not None
+                    and scenario_of(t.task_id) == scenario_of(self.task_id))
+
+
+_BFCL_SCENARIO = re.compile(r"^bfcl:multi_turn_[a-z_]+?_(\d+)$")
+
+
+def scenario_of(task_id: str) -> str:
+    """What a task shares its ground truth with: BFCL's four multi-turn categories are variants of the same 200
+    scenarios index for index (`bfcl:multi_turn_base_3` and `bfcl:multi_turn_miss_param_3` start from the same
+    state and make the same calls), so excluding a task excludes its scenario; any other task is its own."""
+    match = _BFCL_SCENARIO.match(task_id)
+    return f"bfcl:scenario_{match.group(1)}" if match else task_id
 
 
 def _tokens(arguments: dict[str, Any]) -> list[str]:
@@ -232,4 +245,4 @@ def observed(step: Step, *, task_id: str | None, split: str | None, episode_id: 
     return out
 
 
-__all__ = ["MemoryScope", "RehearsalMemory", "SEED_SOURCES", "observed"]
+__all__ = ["MemoryScope", "RehearsalMemory", "SEED_SOURCES", "observed", "scenario_of"]
