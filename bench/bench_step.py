@@ -11,6 +11,9 @@ plotly stacked bar `bench/results/step_breakdown.html` (and .png when kaleido is
 `--profile`: cProfile over every step instead (profiler overhead included, so no latency file is written):
 the functions with the most time of their own per K, with their share, in `bench/results/step_profile.json`.
 
+`--memory`: each K with the rehearsal memory off and seeded (the training split's transitions retrieved into every
+Rehearse prompt, `app.engine.memory`), timed in the same run: writes `bench/results/step_latency_memory.json`.
+
 `--ahead`: as the Run tab does, each step is computed ahead while a person would read the task picked or the
 last step (`EpisodeRunner.compute_ahead`, timed apart: the reading time the wait assumes), then Step is timed:
 the wait. Writes `bench/results/step_latency_ahead.json`.
@@ -105,6 +108,8 @@ def main() -> None:
                         help="compute each step ahead first (the Run tab's reading time), then time Step")
     parser.add_argument("--torch-step", action="store_true",
                         help="the native decode step off (writes step_latency_torch_step.json): the same-day baseline")
+    parser.add_argument("--memory", action="store_true",
+                        help="time each K with the rehearsal memory off and seeded (step_latency_memory.json)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the steps (writes step_profile.json only: the profiler slows them)")
     args = parser.parse_args()
@@ -119,10 +124,22 @@ def main() -> None:
     store = Store(Path(tempfile.mkdtemp()) / "bench.db")
     rows: dict[str, dict] = {}
     profiles: dict[str, list[dict]] = {}
-    for k in [int(k) for k in args.ks.split(",")]:
+    runs = [(k, None) for k in map(int, args.ks.split(","))]
+    memory = None
+    if args.memory:
+        from app.training.memory_seed import open_memory
+
+        memory = open_memory(Store(Path(tempfile.mkdtemp()) / "memory.db"))
+        runs = [(k, m) for k, _ in runs for m in ("off", "seed")]
+    for k, memory_mode in runs:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
-                               proposal=args.proposal, relevance=args.relevance)
-        runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings)
+                               proposal=args.proposal, relevance=args.relevance, memory=memory_mode or "off")
+        if memory_mode is not None:  # a fresh copy each run: what one run's episodes observe stays out of the next
+            run_memory = memory.detached() if memory_mode == "seed" else None
+        else:
+            run_memory = None
+        key = str(k) if memory_mode is None else f"{k}/{memory_mode}"
+        runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings, memory=run_memory)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         policy.forget_scores()  # each K starts with no tool line encoded
         profile = cProfile.Profile() if args.profile else None
@@ -139,7 +156,7 @@ def main() -> None:
             # First scorings: no task reuses another's (or K=1's) results. The tool lines' KV stays from task
             # to task, as in a session that opens one task after another (--cold-prompts: it does not).
             policy.forget_scores(prompts=args.cold_prompts)
-            runner = EpisodeRunner(task, policy, settings)
+            runner = EpisodeRunner(task, policy, settings, memory=run_memory)
             recorder = Recorder(store)
             recorder.start(runner.episode)
             for i in range(args.steps):
@@ -156,24 +173,35 @@ def main() -> None:
                 if done:
                     break
         n = len(totals)
-        rows[str(k)] = {"steps": n, "p50_s": round(statistics.median(totals), 2),
+        rows[key] = {"steps": n, "p50_s": round(statistics.median(totals), 2),
                         "mean_s": round(statistics.mean(totals), 2),
                         "p90_s": round(sorted(totals)[int(0.9 * (n - 1))], 2),
                         "mean_phase_s": {p: round(sums[p] / n, 3) for p in PHASES},
                         "first_steps_p50_s": round(statistics.median(first), 2),
                         "later_steps_p50_s": round(statistics.median(later), 2), "per_step": per_step}
         if profile is not None:
-            profiles[str(k)] = top_functions(profile)
+            profiles[key] = top_functions(profile)
         if args.ahead:
-            row = rows[str(k)]
+            row = rows[key]
             row["ahead_first_p50_s"] = round(statistics.median(ahead_first), 2)
             row["ahead_later_p50_s"] = round(statistics.median(ahead_later), 2)
             row["ahead_max_s"] = round(max(ahead_first + ahead_later), 2)
-            print(f"K={k}: Step waits p50 {row['p50_s']} s (max {max(totals):.2f}) once computed ahead, which took "
+            print(f"K={key}: Step waits p50 {row['p50_s']} s (max {max(totals):.2f}) once computed ahead, which took "
                   f"{row['ahead_first_p50_s']} s (p50) for a task's first step, {row['ahead_later_p50_s']} s for "
                   f"a later one")
-        print(f"K={k}: p50 {rows[str(k)]['p50_s']} s over {n} steps; " +
-              ", ".join(f"{p} {v:.2f}" for p, v in rows[str(k)]["mean_phase_s"].items()))
+        print(f"K={key}: p50 {rows[key]['p50_s']} s over {n} steps; " +
+              ", ".join(f"{p} {v:.2f}" for p, v in rows[key]["mean_phase_s"].items()))
+    if args.memory:
+        for k in map(int, args.ks.split(",")):
+            rows[f"{k}/seed"]["ratio_to_off"] = round(rows[f"{k}/seed"]["p50_s"] / rows[f"{k}/off"]["p50_s"], 2)
+            rows[f"{k}/seed"]["paired_median_ratio_to_off"] = paired_ratio(rows[f"{k}/off"]["per_step"],
+                                                                           rows[f"{k}/seed"]["per_step"])
+            print(f"K={k}: p50 with memory / without {rows[f'{k}/seed']['ratio_to_off']} "
+                  f"(paired median {rows[f'{k}/seed']['paired_median_ratio_to_off']})")
+        write_results("step_latency_memory", {"adapter": SHIPPED_ADAPTER.name, "memory_transitions": len(memory),
+                                              "memory_k": RunSettings().memory_k, "tasks": task_ids,
+                                              "steps_per_task": args.steps, "results": rows})
+        return
     if "1" in rows and "4" in rows:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
         rows["4"]["paired_median_ratio"] = paired_ratio(rows["1"]["per_step"], rows["4"]["per_step"])

@@ -69,9 +69,10 @@ def no_model():
 
 
 def config(**overrides) -> EvalConfig:
-    # relevance 0: the scripted candidates are the test's own (no tool ranking re-aims them)
+    # relevance 0: the scripted candidates are the test's own (no tool ranking re-aims them); keep_primary off:
+    # these tests check the selectors' arithmetic (test_keep_primary_commits_the_greedy_call_... checks the rule)
     values = dict(task_ids=["mock:kv"], modes=["none", "parallel", "sequential"], branches=3, model="scripted",
-                  state_probe=8, relevance=0.0)
+                  state_probe=8, relevance=0.0, keep_primary=False)
     values.update(overrides)
     return EvalConfig(**values)
 
@@ -146,6 +147,17 @@ def test_same_seed_same_table_and_the_markdown_has_every_row(tmp_path):
 
 
 # ---------------------------------------------------------------- resume
+
+
+def test_keep_primary_commits_the_greedy_call_unless_its_rehearsal_predicts_an_error(tmp_path):
+    # The greedy red `set` is rehearsed as {"ok": true}: no predicted error, so the judge's preference for blue
+    # does not move the commit; parallel then does what none does (and the table says so).
+    result = run_eval(config(modes=["none", "parallel"], best_of_k=False, state_probe=0, keep_primary=True),
+                      Store(tmp_path / "e.db"), PromptPolicy())
+    none, par = rows_by_key(result)["none"], rows_by_key(result)["parallel"]
+    assert (par["task_success"], par["turn_success"], par["call_accuracy"]) == (
+        none["task_success"], none["turn_success"], none["call_accuracy"]) == (0.0, 0.0, 0.4)
+    assert result["config"]["keep_primary"] is True and "keeps the greedy primary" in markdown(result)
 
 
 def test_rerun_reads_finished_episodes_back_without_a_model(tmp_path):
@@ -320,7 +332,7 @@ def test_without_a_browser_the_pngs_are_skipped_and_the_table_is_kept(tmp_path, 
     (["--tasks", "bfcl:multi_turn_base_9999"], "no BFCL task 'bfcl:multi_turn_base_9999'"),
     (["--tasks", "bfcl:multi_turn_nope"], "unknown BFCL task id 'bfcl:multi_turn_nope'"),
     (["--tasks", "nothing"], "unknown task id 'nothing'"),
-    (["--tasks", "multi_turn_miss_func", "--split", "heldout"], "the heldout split of multi_turn_miss_func is empty"),
+    (["--tasks", "bfcl:multi_turn_miss_func_3", "--split", "train"], "not in the train split"),
     (["--tasks", "bfcl:multi_turn_base_0", "--split", "heldout"], "not in the heldout split"),
     (["--tasks", ","], "no task given"),
     (["--limit", "0"], "--limit must be at least 1"),

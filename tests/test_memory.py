@@ -116,7 +116,8 @@ def test_runner_remembers_what_it_observes_and_the_next_rehearsal_sees_it(tmp_pa
     memory = RehearsalMemory.from_store(store)
     policy = ScriptedPolicy([[call("get", key="size")], [call("get", key="size")]],
                             predict=lambda text: {"value": "M"})
-    runner = EpisodeRunner(envs.load_task("mock:kv"), policy, RunSettings(mode="parallel", branches=1), memory=memory)
+    runner = EpisodeRunner(envs.load_task("mock:kv"), policy, RunSettings(mode="parallel", branches=1, memory="online"),
+                           memory=memory)
     first = runner.step()
     assert first.chosen_branch.memory == []
     held = store.transitions()

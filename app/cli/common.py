@@ -16,9 +16,9 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, exit status 2 (raise it from any command)."""
 
 
-def add_engine_options(p: argparse.ArgumentParser, memory: str = "online") -> None:
+def add_engine_options(p: argparse.ArgumentParser, memory: str = "off") -> None:
     """Options shared by `run` and `eval`: selector, sampling, budgets, model, database. `memory`: the
-    default of `--memory` (`online` for a run, `seed` for an eval table)."""
+    default of `--memory` (off: memory lowered held-out rehearsal `exact`, docs/world_model.md)."""
     p.add_argument("--selector", choices=SELECTORS, default="judge", help="how the committed branch is chosen")
     p.add_argument("--keep-primary", action=argparse.BooleanOptionalAction, default=True,
                    help="commit the greedy primary unless its rehearsal predicts an error and the selector's "

@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
     p.add_argument("--branches", "-k", type=int, default=4, help="K: candidates (parallel, best-of-K) or attempts "
                    "(sequential)")
     p.add_argument("--no-best-of-k", action="store_true", help="skip the real best-of-K baseline row")
-    add_engine_options(p, memory="seed")
+    add_engine_options(p)
     p.add_argument("--max-turns", type=int, default=None, help="judge only the first N user turns of each task")
     p.add_argument("--state-probe", type=int, default=32,
                    help="calls re-rehearsed with and without the state snapshot (0: skip)")

@@ -198,12 +198,14 @@ class WorldModel:
     """A policy's Rehearse (and Act) roles over a caller's tools and conversation."""
 
     def __init__(self, policy: Policy, *, constrain: bool = True, seed: int = 0, temperature: float = 0.8,
-                 max_action_tokens: int = 96, max_rehearsal_tokens: int = 128, memory: Any = None) -> None:
+                 max_action_tokens: int = 96, max_rehearsal_tokens: int = 128, memory: Any = None, memory_mode: str = "off") -> None:
         self.policy = policy
         self.memory = memory
-        """A `RehearsalMemory` the rehearsals retrieve from (None: prompts without memory)."""
+        """A `RehearsalMemory` the rehearsals retrieve from (None: prompts without memory), in `memory_mode`
+        (RunSettings.memory: off by default, as measured there)."""
         self.base = dict(constrain=constrain, seed=seed, temperature=temperature, shadow=False,
-                         max_action_tokens=max_action_tokens, max_rehearsal_tokens=max_rehearsal_tokens)
+                         max_action_tokens=max_action_tokens, max_rehearsal_tokens=max_rehearsal_tokens,
+                         memory=memory_mode)
 
     def _step(self, tools: list[Tool], history: list[HistoryItem], k: int) -> StepContext:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", **self.base)

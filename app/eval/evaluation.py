@@ -65,9 +65,9 @@ class EvalConfig:
     """Judge only the first N user turns of each task (None: all); cuts CPU time on long tasks."""
     max_action_tokens: int = 96
     max_rehearsal_tokens: int = 128
-    memory: str = "seed"
-    """Real transitions the Rehearse prompts retrieve (RunSettings.memory): `seed` by default for tables (the
-    training split only); the evaluated task's own transitions are never retrieved from another episode."""
+    memory: str = "off"
+    """Real transitions the Rehearse prompts retrieve (RunSettings.memory; off by default, as measured there);
+    with `seed` or `online` the evaluated task's scenario is never retrieved from another episode."""
     memory_k: int = 3
     keep_primary: bool = True
     """RunSettings.keep_primary: a selector moves the commit off the greedy primary only on a predicted error."""

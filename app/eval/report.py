@@ -70,7 +70,7 @@ def markdown(result: dict[str, Any]) -> str:
         + f"; {len(tasks)} task(s) ({_task_summary(tasks)}), {turns}; seed {cfg['seed']}, "
         f"temperature {cfg['temperature']}, step budget per turn "
         f"{cfg['max_steps_per_turn'] or 'from the task'}.", "",
-        _memory_line(result), "",
+        _memory_line(result) + " " + _selection_line(cfg), "",
     ]
     lines += [table_markdown(result), ""]
     lines += [
@@ -121,6 +121,14 @@ def _memory_line(result: dict[str, Any]) -> str:
     return (f"Rehearsal memory {MEMORY_WORDS.get(memory['mode'], memory['mode'])}{held_text}; "
             f"up to {memory.get('k', 3)} per Rehearse prompt; never the evaluated task's own transitions "
             "from another episode.")
+
+
+def _selection_line(cfg: dict[str, Any]) -> str:
+    """The parallel rows' commit rule (RunSettings.keep_primary; configs written before it: off)."""
+    if cfg.get("keep_primary", False):
+        return ("Selection keeps the greedy primary unless its rehearsal predicts an error and the selector's "
+                "choice's does not.")
+    return "Selection commits the selector's top score."
 
 
 def _task_summary(tasks: list[str]) -> str:

@@ -55,7 +55,7 @@ def _whole(name: str, value: Any, low: int, high: int) -> int:
 def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any, seed: Any, shadow: bool,
                    rehearsal_context: str, tool_choice: str = "auto", proposal: str = "sample",
                    relevance: Any = DEFAULT_RELEVANCE, constrain: bool = True,
-                   memory: str = "online", memory_k: Any = 3, keep_primary: bool = True,
+                   memory: str = "off", memory_k: Any = 3, keep_primary: bool = True,
                    max_action_tokens: Any = 96,
                    max_rehearsal_tokens: Any = 128) -> RunSettings:
     """RunSettings from raw UI values, or an InputError that names the field and its range."""

@@ -36,7 +36,7 @@ UI_DEFAULTS = {
     "proposal": "sample",
     "relevance": DEFAULT_RELEVANCE,
     "constrain": True,
-    "memory": "online",
+    "memory": "off",
     "memory_k": 3,
     "keep_primary": True,
     "max_action_tokens": 64,
