@@ -5,7 +5,9 @@ Each config rehearses the same calls with their real history (`app.training.agen
 - `off`: no memory (the Rehearse prompt as before the memory);
 - `seed`: the memory seeded from the training split (BFCL's four categories, index mod 4 != 3), never the
   evaluated task's own transitions except its earlier ground-truth calls (observed earlier in the episode);
-- `seed@N`: a random N of the seed's transitions (the memory-size curve).
+- `seed@N`: a random N of the seed's transitions (the memory-size curve);
+- `episode`: an empty memory, so a prompt sees only the task's earlier ground-truth calls (what an episode
+  has observed itself before this call).
 
 Writes bench/results/world_model.json (figures; `--details` adds one row per call to a separate file) and, with
 `--curve`, bench/results/world_model_curve.html (plotly: exact against the number of transitions).
@@ -67,7 +69,8 @@ def main() -> None:
     for category in args.categories.split(","):
         task_ids = envs.list_tasks(category, "heldout")[:args.tasks]
         for config in args.configs.split(","):
-            memory = None if config == "off" else seed if config == "seed" else sized(seed, int(config.split("@")[1]))
+            memory = (None if config == "off" else seed if config == "seed" else RehearsalMemory(None, [])
+                      if config == "episode" else sized(seed, int(config.split("@")[1])))
             rows: list = []
             started = time.perf_counter()
             result = forced_rehearsal(policy, task_ids, args.calls, memory=memory, memory_k=args.k, details=rows)
@@ -87,7 +90,7 @@ def main() -> None:
         fig = go.Figure()
         for category, configs in out["results"].items():
             points = sorted((0 if c == "off" else len(seed) if c == "seed" else int(c.split("@")[1]), r["exact"])
-                            for c, r in configs.items())
+                            for c, r in configs.items() if c != "episode")
             fig.add_scatter(x=[max(x, 1) for x, _ in points], y=[y for _, y in points], mode="lines+markers",
                             name=category)
         fig.update_layout(title="Forced rehearsal exact match against transitions in memory",
