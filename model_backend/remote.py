@@ -50,7 +50,8 @@ import httpx
 from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_attempt,
                       wait_exponential_jitter)
 
-from .base import NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Prompt, RemoteCapabilityError, derive_seed
+from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
+                   derive_seed)
 from .spec import EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class _Caps:
     continue_final: bool | None = None
 
 
-class OpenAIPolicy:
+class OpenAIPolicy(Policy):
     """`Policy` over an OpenAI-compatible server. Thread-safe; requests of one call go out concurrently."""
 
     def __init__(self, spec: str, options: RemoteOptions, transport: httpx.BaseTransport | None = None) -> None:
@@ -143,6 +144,7 @@ class OpenAIPolicy:
         self._server_context: int | None = None
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
+        self._said_unconstrained = False
 
     def __repr__(self) -> str:
         return f"OpenAIPolicy({self.name!r})"
@@ -324,7 +326,7 @@ class OpenAIPolicy:
                   n: int = 1) -> list[Generation]:
         """One request; its choices as Generations (possibly fewer than `n`: the caller checks)."""
         self.check()
-        if prompt.constraint is not None and not getattr(self, "_said_unconstrained", False):
+        if prompt.constraint is not None and not self._said_unconstrained:
             # Servers differ in how (and whether) they take a grammar; this backend decodes freely.
             self._said_unconstrained = True
             log.warning("%s: schema-constrained decoding applies to local models only; decoding unconstrained",
