@@ -24,11 +24,16 @@ prefill, and send text: the model reads exactly what the local backend would fee
 messages and the prefill is put back in front of its reply.
 
 Capabilities are discovered from answers, not assumed: `n` (several samples in one request;
-`transformers serve` ignores it and answers one choice, so the missing ones are sent as
-concurrent requests), `logprobs` (kept asking only while the server returns them), and prompt
-log-probabilities for `score` (`echo` + `logprobs` on `/v1/completions`; vLLM has them,
-`transformers serve` and llama.cpp do not: `score` then raises `RemoteCapabilityError` and
-the engine leaves `surprise` empty and refuses the `judge` selector).
+`transformers serve` and llama-cpp-python ignore it and answer one choice, llama.cpp's server
+refuses it in some versions: the missing ones are sent as concurrent requests), `logprobs`
+(kept asking only while the server returns them; llama-cpp-python without `logits_all` refuses
+them), and prompt log-probabilities for `score` (`echo` + `logprobs` on `/v1/completions`).
+Engines answer logprobs in different shapes, all read here: the completions shape
+(`token_logprobs`, `tokens`, `text_offset`: vLLM, SGLang with offsets -1, llama-cpp-python) and
+the chat shape (`content[{token, logprob}]`: llama.cpp's server, on /v1/completions too). vLLM,
+SGLang and llama-cpp-python echo the prompt's logprobs; `transformers serve` and llama.cpp's
+server do not: `score` then raises `RemoteCapabilityError` and the engine leaves `surprise` empty,
+runs without tool relevance and refuses the `judge` selector.
 
 `count_tokens` uses the local tokenizer when there is one, else an estimate of one token per
 four characters (close for English and JSON with BPE vocabularies; prompts are then fitted
@@ -63,6 +68,11 @@ CHARS_PER_TOKEN = 4
 _MODEL_ERRORS = ("does not exist", "not found", "not served", "pinned to", "unknown model", "no such model")
 """Words of a 4xx detail that mean the model name is wrong (vLLM, SGLang, TGI, transformers serve)."""
 _MAX_STATS = 10_000
+_UNSUPPORTED = ("not supported", "unsupported", "only no echo", "only one completion choice")
+"""Words of an error that refuses a field for good, even with a 5xx (llama.cpp's server answers 500 for `echo`
+and for `n` > 1 in some versions; llama-cpp-python answers 500 for `logprobs` without `logits_all`): not retried."""
+
+
 class RemoteError(RuntimeError):
     """The server could not give an answer; the message is one line that says what to do."""
 
@@ -170,7 +180,8 @@ class OpenAIPolicy(Policy):
                                              "server or a long generation needs a larger ?timeout=") from None
             except httpx.TransportError as exc:  # refused, reset, connect timeout: worth another try
                 raise _Retryable(f"cannot connect ({type(exc).__name__}: {exc})") from exc
-            if resp.status_code == 429 or resp.status_code >= 500:
+            if (resp.status_code == 429 or resp.status_code >= 500) and not (
+                    resp.status_code >= 500 and any(w in _detail(resp).lower() for w in _UNSUPPORTED)):
                 raise _Retryable(f"HTTP {resp.status_code}: {_detail(resp)}", resp.status_code)
             return resp
 
@@ -339,6 +350,13 @@ class OpenAIPolicy(Policy):
                                                                     "unexpected", "extra")):
                 self.caps.continue_final = False  # e.g. transformers serve: 422 on unknown fields
                 return self._complete(prompt, config, temperature, seed, n)
+            if n > 1 and _mentions(exc, ("choice", "'n'", '"n"', " n ")):
+                self.caps.n = False  # llama.cpp's server before n_cmpl: "Only one completion choice is allowed"
+                return self._complete(prompt, config, temperature, seed)
+            if "logprobs" in body and self.caps.logprobs is None and _mentions(exc, ("logprobs", "logits_all")):
+                self.caps.logprobs = False  # llama-cpp-python without logits_all: 500 for any `logprobs`
+                log.warning("%s: the server refuses logprobs (%s); decoding without them", self.name, exc)
+                return self._complete(prompt, config, temperature, seed, n)
             raise
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices:
@@ -367,7 +385,7 @@ class OpenAIPolicy(Policy):
             text += "".join(_tool_call_text(tc) for tc in message.get("tool_calls") or [])
         if not isinstance(text, str):
             raise RemoteResponseError(f"{path}: a choice without text: {str(choice)[:120]!r}")
-        lps = _token_logprobs(choice.get("logprobs"), path)
+        lps = _token_logprobs(choice.get("logprobs"))
         if asked_logprobs and self.caps.logprobs is None:
             self.caps.logprobs = lps is not None
         if prefilled:
@@ -432,28 +450,13 @@ class OpenAIPolicy(Policy):
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise RemoteResponseError(f"{self.options.base_url}/completions answered with no choices")
-        lp = choices[0].get("logprobs")
-        text = choices[0].get("text")
-        ok = (isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list) and isinstance(text, str)
-              and text.startswith(full))
-        if not ok:
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        values = _echoed_logprobs(choices[0], full, len(prefix), usage.get("completion_tokens"))
+        if values is None:
             self.caps.prompt_logprobs = False
             raise RemoteCapabilityError(NO_PROMPT_LOGPROBS)
         self.caps.prompt_logprobs = True
-        tokens, values = lp.get("tokens") or [], lp["token_logprobs"]
-        offsets = lp.get("text_offset")
-        if not isinstance(offsets, list) or len(offsets) != len(values):
-            offsets, pos = [], 0
-            for tok in tokens:
-                offsets.append(pos)
-                pos += len(tok)
-        out = []
-        start, end = len(prefix), len(full)
-        for i, (off, value) in enumerate(zip(offsets, values)):
-            tok_end = offsets[i + 1] if i + 1 < len(offsets) else off + len(tokens[i] if i < len(tokens) else "")
-            if tok_end > start and off < end and value is not None:
-                out.append(float(value))  # tokens of the continuation (one straddling the boundary counts)
-        return out
+        return values
 
     def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
         """Per-token log-probabilities of each continuation (`echo` + `logprobs` on /v1/completions)."""
@@ -508,16 +511,61 @@ def _tool_call_text(tool_call: Any) -> str:
     return "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 
-def _token_logprobs(logprobs: Any, path: str) -> list[float] | None:
+def _token_logprobs(logprobs: Any) -> list[float] | None:
+    """The generated tokens' log-probabilities, from either shape an engine answers with: the completions shape
+    (`token_logprobs`: vLLM, SGLang, llama-cpp-python) or the chat shape (`content[{token, logprob, top_logprobs}]`:
+    every chat endpoint, and llama.cpp's server on /v1/completions too). None: the answer has none."""
     if not isinstance(logprobs, dict):
         return None
-    if path == "/completions":
-        values = logprobs.get("token_logprobs")
-        return [float(v) for v in values if v is not None] if isinstance(values, list) else None
+    values = logprobs.get("token_logprobs")
+    if isinstance(values, list):
+        return [float(v) for v in values if _is_number(v)]
     content = logprobs.get("content")
-    if not isinstance(content, list):
+    if isinstance(content, list):
+        return [float(t["logprob"]) for t in content if isinstance(t, dict) and _is_number(t.get("logprob"))]
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _echoed_logprobs(choice: dict[str, Any], full: str, start: int, generated: Any) -> list[float] | None:
+    """Log-probabilities of the tokens of `full[start:]` in an `echo` + `logprobs` answer (each token that overlaps
+    it, one straddling the boundary too), or None where the answer holds none for the prompt.
+
+    Where a token is in the text is read from `text_offset` when every offset used agrees with the text (vLLM,
+    llama-cpp-python). Otherwise (SGLang writes -1, "not supported yet"; a BOS token's text counted in the
+    offsets) it is counted back from the end of the prompt over the prompt's tokens: all but the last `generated`
+    (the answer's `usage.completion_tokens`; 1, the one token asked for, when it does not say). An answer whose
+    logprobs cover only the generated tokens (llama.cpp's server, which echoes the text but not its logprobs)
+    holds none for the prompt."""
+    lp, text = choice.get("logprobs"), choice.get("text")
+    if not isinstance(lp, dict) or not isinstance(text, str) or not text.startswith(full):
         return None
-    return [float(t["logprob"]) for t in content if isinstance(t, dict) and t.get("logprob") is not None]
+    tokens, values, offsets = lp.get("tokens"), lp.get("token_logprobs"), lp.get("text_offset")
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values) \
+            or not all(isinstance(t, str) for t in tokens):
+        return None
+    end = len(full)
+    if isinstance(offsets, list) and len(offsets) == len(tokens) and all(_is_number(o) and o >= 0 for o in offsets):
+        spans = [(int(o), int(o) + len(t)) for o, t in zip(offsets, tokens)]
+        used = [i for i, (a, b) in enumerate(spans) if b > start and a < end]
+        if used and all(text.startswith(tokens[i], spans[i][0]) for i in used):
+            return [float(values[i]) for i in used if _is_number(values[i])]
+    n_gen = generated if isinstance(generated, int) and 0 <= generated <= len(tokens) else 1
+    prompt_tokens = tokens[: len(tokens) - n_gen]
+    out: list[float] = []
+    pos = end
+    for i in range(len(prompt_tokens) - 1, -1, -1):
+        if pos <= start:
+            break
+        if _is_number(values[i]):
+            out.append(float(values[i]))
+        pos -= len(prompt_tokens[i])
+    if pos > start or not out:
+        return None  # the prompt's tokens do not reach back over the continuation
+    return out[::-1]
 
 
 def _apply_stop(text: str, stop: tuple[str, ...], choice: dict[str, Any], prefill: str) -> tuple[str, bool]:
