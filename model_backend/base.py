@@ -142,8 +142,14 @@ class Policy(Protocol):
     def reset_cache(self) -> None:
         """Forget cached prompt prefixes (an episode reset; results never depend on them). Default: none kept."""
 
+    @property
+    def constraint_note(self) -> str:
+        """One line on how the steps' constraints were kept, where that is not a given (a model server: the form
+        sent, how many answers fit the schema, or that decoding went free). Empty: nothing to say."""
+        return ""
 
-CAPABILITIES = ("inner", "supports_scoring", "can_compute_ahead", "computing_ahead", "reset_cache")
+
+CAPABILITIES = ("inner", "supports_scoring", "can_compute_ahead", "computing_ahead", "reset_cache", "constraint_note")
 """The `Policy` members with defaults: what a wrapper must forward to the policy it wraps."""
 
 

@@ -9,7 +9,19 @@ chat template's `enable_thinking`, for Qwen3-style templates; unset: the templat
 `do_sample` (`on`/`off`: send `generation_config={"do_sample": true}` with sampled requests;
 `transformers serve` samples only when the model's generation config says so, and otherwise
 answers every "sampled" candidate greedily; unset: on when `/v1/models` looks like `transformers serve`),
-`context` (the context window in tokens), `concurrency` (requests in flight at once).
+`context` (the context window in tokens), `concurrency` (requests in flight at once),
+`constrain` (how a step's JSON-schema constraint travels: `vllm` `structured_outputs`,
+`openai` `response_format`, `llama.cpp` `json_schema`, `sglang` `json_schema` string; `auto`,
+the default, tries them in that order; `off`).
+
+Constraints. A constraint a JSON schema can say (the call after a `<tool_call>` prefill, the
+response after `<execution_result>`) is sent in the current form, and each finished answer is
+checked against the schema: servers answer HTTP 200 and ignore a field they do not know (vLLM
+since its `guided_json` went in 0.12), so support is read from the output. Under `auto` a form
+the server refuses, or one an answer breaks, is dropped for the next; when none is left the
+model decodes free, and `constraint_note` (the Run tab's model line, the eval report) says so.
+A constraint that allows a text answer instead (tool_choice auto) needs a grammar: it is sent
+free and counted.
 
 How prompts travel. A Prompt may carry a prefill (the Rehearse role always starts its reply
 with `<execution_result>`). Servers disagree on continuing an assistant message: vLLM and
@@ -47,7 +59,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +69,7 @@ from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_
 
 from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
                    derive_seed)
-from .spec import EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
+from .spec import CONSTRAIN_FORMS, EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +148,36 @@ class _Caps:
     continue_final: bool | None = None
 
 
+@dataclass
+class ConstraintRecord:
+    """Whether this server kept the steps' JSON-schema constraints (one record per model: one policy per spec)."""
+
+    form: str | None
+    """The form constraints are sent in now (`spec.CONSTRAIN_FORMS`); None: decoding free."""
+    counts: dict[str, list[int]] = field(default_factory=dict)
+    """Per form: [finished constrained answers that fit the schema, that did not]."""
+    free: int = 0
+    """Constrained prompts sent without a constraint: a JSON schema cannot say "a call, or else text"."""
+    dropped: list[str] = field(default_factory=list)
+    """Forms the server refused or ignored, in the order they were dropped."""
+    asked: bool = True
+    """False where `constrain=off` asked for none."""
+
+    @property
+    def note(self) -> str:
+        """One line for the model line and the report; empty before any constrained prompt."""
+        held, broken = self.counts.get(self.form or "", [0, 0])
+        free = f"; {self.free} text-or-call prompt(s) sent free" if self.free else ""
+        if not self.asked:
+            return "constraints off (constrain=off): decoding free"
+        if self.form is None:
+            return (f"constraints not kept by the server (it refused or ignored {', '.join(self.dropped)}): "
+                    "decoding free, answers may not fit the schema") if self.dropped else ""
+        if held + broken == 0:
+            return f"constraints sent as {self.form}{free}" if self.free else ""
+        return f"constraints sent as {self.form}: {held} of {held + broken} answer(s) fit the schema{free}"
+
+
 class OpenAIPolicy(Policy):
     """`Policy` over an OpenAI-compatible server. Thread-safe; requests of one call go out concurrently."""
 
@@ -154,7 +196,10 @@ class OpenAIPolicy(Policy):
         self._server_context: int | None = None
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
-        self._said_unconstrained = False
+        first = None if options.constrain == "off" else CONSTRAIN_FORMS[0] if options.constrain == "auto" \
+            else options.constrain
+        self.constraints = ConstraintRecord(form=first, asked=options.constrain != "off")
+        self._constraints_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"OpenAIPolicy({self.name!r})"
@@ -333,19 +378,67 @@ class OpenAIPolicy(Policy):
             body["logprobs"] = True
         return "/chat/completions", body
 
+    @property
+    def constraint_note(self) -> str:
+        return self.constraints.note
+
+    def _constraint_form(self, prompt: Prompt) -> str | None:
+        """The form to send `prompt.constraint` in, or None (none, none kept, or one a JSON schema cannot say)."""
+        c = prompt.constraint
+        if c is None or self.constraints.form is None:
+            return None
+        if c.allow_text or c.open.strip():  # "a call or else text" needs a grammar: sent free, and counted
+            with self._constraints_lock:
+                self.constraints.free += 1
+            return None
+        return self.constraints.form
+
+    def _drop_form(self, form: str, why: str) -> None:
+        """The server refused or ignored `form`: `auto` moves on to the next form, else decoding goes free."""
+        with self._constraints_lock:
+            record = self.constraints
+            if record.form != form:
+                return  # another request already moved on
+            record.dropped.append(form)
+            left = [f for f in CONSTRAIN_FORMS if f not in record.dropped] if self.options.constrain == "auto" else []
+            record.form = left[0] if left else None
+        log.warning("%s: constraints sent as %s were %s; %s", self.name, form, why,
+                    f"trying {left[0]}" if left else "decoding free: answers may not fit the schema")
+
+    def _check_constraint(self, gen: Generation, prompt: Prompt, form: str) -> bool:
+        """Count whether a finished answer fits the schema it was constrained to; `auto` drops a form that did not.
+        True when the form is no longer the one to send (the request is worth sending again)."""
+        c = prompt.constraint
+        if c is None or not gen.finished:
+            return False  # cut off by the token budget: says nothing about the server
+        body = gen.text[len(prompt.prefill):] if gen.text.startswith(prompt.prefill) else gen.text
+        if c.close and body.rstrip().endswith(c.close):
+            body = body.rstrip()[: -len(c.close)]
+        fits = _fits(body, c.schema)
+        with self._constraints_lock:
+            if self.constraints.form != form:
+                return True
+            self.constraints.counts.setdefault(form, [0, 0])[0 if fits else 1] += 1
+        if not fits and self.options.constrain == "auto":
+            self._drop_form(form, f"ignored (an answer did not fit the schema: {body.strip()[:60]!r})")
+            return True
+        return False
+
     def _complete(self, prompt: Prompt, config: GenerationConfig, temperature: float, seed: int | None,
                   n: int = 1) -> list[Generation]:
         """One request; its choices as Generations (possibly fewer than `n`: the caller checks)."""
         self.check()
-        if prompt.constraint is not None and not self._said_unconstrained:
-            # Servers differ in how (and whether) they take a grammar; this backend decodes freely.
-            self._said_unconstrained = True
-            log.warning("%s: schema-constrained decoding applies to local models only; decoding unconstrained",
-                        self.name)
+        form = self._constraint_form(prompt)
         path, body = self._body(prompt, config, temperature, seed, n)
+        if form is not None:
+            body.update(_constraint_fields(form, prompt.constraint.schema))  # type: ignore[union-attr]
         try:
             data = self._request("POST", path, body)
         except RemoteError as exc:
+            if form is not None and _mentions(exc, _CONSTRAINT_WORDS[form] + (
+                    "schema", "grammar", "structured", "extra", "unexpected", "not permitted", "unknown field")):
+                self._drop_form(form, f"refused ({exc})")
+                return self._complete(prompt, config, temperature, seed, n)
             if "continue_final_message" in body and _mentions(exc, ("continue_final_message", "add_generation_prompt",
                                                                     "unexpected", "extra")):
                 self.caps.continue_final = False  # e.g. transformers serve: 422 on unknown fields
@@ -367,8 +460,13 @@ class OpenAIPolicy(Policy):
         for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
             out.append(self._generation(choice, prompt.prefill, config.stop, path, "logprobs" in body,
                                         prefilled="continue_final_message" in body or path == "/completions"))
+        moved_on = False
         for gen in out:
             gen.sampled = temperature > 0
+            if form is not None:
+                moved_on = self._check_constraint(gen, prompt, form) or moved_on
+        if moved_on:  # the server ignored this form: ask again in the next one (or free, which stops here)
+            return self._complete(prompt, config, temperature, seed, n)
         return out
 
     def _generation(self, choice: Any, prefill: str, stop: tuple[str, ...], path: str, asked_logprobs: bool,
@@ -509,6 +607,36 @@ def _tool_call_text(tool_call: Any) -> str:
     except json.JSONDecodeError:
         pass
     return "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>"
+
+
+_CONSTRAINT_WORDS = {"vllm": ("structured_outputs",), "openai": ("response_format", "json_schema"),
+                     "llama.cpp": ("json_schema",), "sglang": ("json_schema",)}
+"""Words of an error that refuses a constraint form (with the generic ones in `_complete`)."""
+
+
+def _constraint_fields(form: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The request fields that carry a JSON-schema constraint in `form` (`spec.CONSTRAIN_FORMS`)."""
+    if form == "vllm":
+        return {"structured_outputs": {"json": schema}}
+    if form == "openai":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "step", "schema": schema}}}
+    if form == "llama.cpp":
+        return {"json_schema": schema}
+    return {"json_schema": json.dumps(schema)}  # sglang: a JSON string
+
+
+def _fits(body: str, schema: dict[str, Any]) -> bool:
+    """`body` is one JSON value valid under `schema`."""
+    import jsonschema
+
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return False
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except jsonschema.SchemaError:
+        return True  # a schema the validator cannot read: the server's grammar was the judge
 
 
 def _token_logprobs(logprobs: Any) -> list[float] | None:

@@ -74,6 +74,10 @@ class ProgressPolicy(Policy):
     def reset_cache(self) -> None:
         self.wrapped.reset_cache()
 
+    @property
+    def constraint_note(self) -> str:
+        return self.wrapped.constraint_note
+
     def _say(self, phase: str, text: str) -> None:
         if self.report is not None:
             self.report(self.PHASES[phase] + (0.15 if phase == "score" and self.scored else 0.0), text)
@@ -471,6 +475,10 @@ class RunSession:
             (self.recorder or Recorder(services.store)).flush(self.episode)
         except StoreError as exc:
             self.notices.append(f"Not saved: {exc}")
+
+    def model_note(self) -> str:
+        """What the model line adds about the model itself: how its server kept the constraints (`constraint_note`)."""
+        return self.runner.policy.constraint_note if self.runner is not None else ""
 
     def take_notices(self) -> list[str]:
         out, self.notices = self.notices, []
