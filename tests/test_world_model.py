@@ -97,8 +97,9 @@ def test_call_arguments_that_fail_the_schema_are_refused_before_any_model_call(a
     with pytest.raises(WorldModelInputError, match=f"^call.arguments do not fit the inputSchema of cat: {message}$"):
         WorldModel(policy).rehearse(tools, [], {"name": "cat", "arguments": arguments})
     assert policy.rehearse_calls == [] and policy.act_calls == []
-    out = WorldModel(policy).rehearse(tools, [], {"name": "cat", "arguments": {"file_name": "a.txt"}})
-    assert out.call == {"name": "cat", "arguments": {"file_name": "a.txt"}} and len(policy.rehearse_calls) == 1
+    out = WorldModel(policy).rehearse(tools, [], {"name": "cat", "arguments": {"file_name": "a.txt", "lines": None}})
+    assert out.call == {"name": "cat", "arguments": {"file_name": "a.txt", "lines": None}}  # null: not given
+    assert len(policy.rehearse_calls) == 1
 
 
 def test_k_out_of_range_is_refused_before_any_model_call():

@@ -25,7 +25,8 @@ from app.divergence import is_error
 from app.engine import modes
 from app.engine.context import StepContext
 from app.engine.runner import EpisodeRunner
-from app.envs.base import Task, Tool, ToolResult, TurnCheck, argument_problems, schema_problem, schema_validator
+from app.envs.base import (Task, Tool, ToolResult, TurnCheck, argument_problems, schema_problem, schema_validator,
+                           without_null_optionals)
 from app.formats import HistoryItem, call_text, rehearse_target
 from app.records import Branch, Call, RunSettings
 from model_backend.base import Policy, RemoteCapabilityError
@@ -158,9 +159,10 @@ def parse_call(raw: Any, tools: list[Tool] | None = None) -> Call:
 
 
 def check_arguments(call: Call, tools: list[Tool]) -> None:
-    """The call's arguments fit its tool's input schema (else WorldModelInputError saying what does not)."""
+    """The call's arguments fit its tool's input schema (else WorldModelInputError saying what does not); a null
+    for an optional argument means "not given", as the environments read it."""
     tool = next(t for t in tools if t.name == call.name)
-    problems = argument_problems(schema_validator(tool.parameters), call.arguments)
+    problems = argument_problems(schema_validator(tool.parameters), without_null_optionals(tool, call.arguments))
     if problems:
         raise WorldModelInputError(f"call.arguments do not fit the inputSchema of {call.name}: {problems}")
 
