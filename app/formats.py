@@ -73,7 +73,9 @@ def short_json(value: Any, limit: int = RESULT_CHARS) -> str:
 # ---------------------------------------------------------------- tools
 
 
-def _type_of(schema: dict[str, Any]) -> str:
+def _type_of(schema: Any) -> str:
+    if not isinstance(schema, dict):  # a boolean schema (`true`: anything), or one no reader checked
+        return "any"
     t = schema.get("type", "any")
     if t == "array" and isinstance(schema.get("items"), dict):
         return f"list[{_type_of(schema['items'])}]"
@@ -91,8 +93,10 @@ def first_sentence(text: str) -> str:
 
 def tool_signature(tool: Tool, describe: bool = True) -> str:
     """`name(arg: type, opt?: type): first sentence of the description`."""
-    props = tool.parameters.get("properties", {}) or {}
-    required = set(tool.parameters.get("required", []) or [])
+    props = tool.parameters.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = tool.parameters.get("required")
+    required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
     args = ", ".join(f"{n}{'' if n in required else '?'}: {_type_of(s)}" for n, s in props.items())
     sig = f"{tool.name}({args})"
     return f"{sig}: {first_sentence(tool.description)}" if describe and tool.description else sig

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
-                   supports_scoring)
+from .base import (CAPABILITIES, NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt,
+                   RemoteCapabilityError)
 from .factory import load_policy
 from .loading import AdapterError, LoadedModel, MissingModelError, load_model
 from .spec import ModelSpec, ModelSpecError, parse_spec
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdapterError",
+    "CAPABILITIES",
     "Generation",
     "GenerationConfig",
     "LoadedModel",
@@ -35,7 +36,6 @@ __all__ = [
     "load_model",
     "load_policy",
     "parse_spec",
-    "supports_scoring",
 ]
 
 

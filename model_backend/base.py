@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterator, Protocol, runtime_checkable
 
 
 @dataclass
@@ -113,6 +113,45 @@ class Policy(Protocol):
     def context_window(self) -> int:
         ...
 
+    # Capabilities: declared here with their defaults, so that a backend or a wrapper that subclasses `Policy`
+    # has every one, and the engine reads them as attributes (never probes them). A wrapper forwards each
+    # (`CAPABILITIES`); `tests/test_engine.py` checks that the UI's wrapper does.
+
+    @property
+    def inner(self) -> Policy:
+        """The policy that does the work, under wrappers that only report on it (the UI's progress bar): work
+        ahead runs on it, unreported. A backend is its own."""
+        return self
+
+    @property
+    def supports_scoring(self) -> bool:
+        """Whether `score` works (False: a server without prompt log-probabilities; the engine then runs without
+        tool relevance and `surprise`, and refuses the judge selector)."""
+        return True
+
+    @property
+    def can_compute_ahead(self) -> bool:
+        """Whether `computing_ahead` pays: results computed ahead are kept for the step that asks for them."""
+        return False
+
+    def computing_ahead(self, stop: Callable[[], bool] = lambda: False) -> ContextManager[None]:
+        """Model calls inside run ahead of a step and keep their results (`TransformersPolicy`); `stop()` true
+        before a call raises `AheadStopped`. By default nothing is kept (and `can_compute_ahead` is False)."""
+        return contextlib.nullcontext()
+
+    def reset_cache(self) -> None:
+        """Forget cached prompt prefixes (an episode reset; results never depend on them). Default: none kept."""
+
+    @property
+    def constraint_note(self) -> str:
+        """One line on how the steps' constraints were kept, where that is not a given (a model server: the form
+        sent, how many answers fit the schema, or that decoding went free). Empty: nothing to say."""
+        return ""
+
+
+CAPABILITIES = ("inner", "supports_scoring", "can_compute_ahead", "computing_ahead", "reset_cache", "constraint_note")
+"""The `Policy` members with defaults: what a wrapper must forward to the policy it wraps."""
+
 
 NO_PROMPT_LOGPROBS = "this server returns no prompt logprobs: use --selector logprob or memory"
 """The one-line message when `score` is not available (the judge selector and `surprise` need it)."""
@@ -125,11 +164,6 @@ class RemoteCapabilityError(RuntimeError):
 class AheadStopped(Exception):
     """Work ahead (`TransformersPolicy.computing_ahead`) stopped before a model call: told to, or a step
     someone waits for wants the model."""
-
-
-def supports_scoring(policy: object) -> bool:
-    """False for a policy whose `score` cannot work (a server without prompt log-probabilities)."""
-    return bool(getattr(policy, "supports_scoring", True))
 
 
 class Timings:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 from . import fast_step
-from .base import AheadStopped, Constraint, Generation, GenerationConfig, Prompt, Timings, derive_seed
+from .base import AheadStopped, Constraint, Generation, GenerationConfig, Policy, Prompt, Timings, derive_seed
 from .constrain import matcher_for
 from .decoding import Row, RowOutput, generate, score
 from .loading import LoadedModel
@@ -80,7 +80,7 @@ def _score_key(prompt: list[int], continuation: list[int]) -> bytes:
     return digest.digest()
 
 
-class TransformersPolicy:
+class TransformersPolicy(Policy):
     """`Policy` over a transformers causal LM; batches internally over a shared prompt prefix."""
 
     def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = DEFAULT_MAX_BYTES,

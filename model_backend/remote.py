@@ -9,7 +9,19 @@ chat template's `enable_thinking`, for Qwen3-style templates; unset: the templat
 `do_sample` (`on`/`off`: send `generation_config={"do_sample": true}` with sampled requests;
 `transformers serve` samples only when the model's generation config says so, and otherwise
 answers every "sampled" candidate greedily; unset: on when `/v1/models` looks like `transformers serve`),
-`context` (the context window in tokens), `concurrency` (requests in flight at once).
+`context` (the context window in tokens), `concurrency` (requests in flight at once),
+`constrain` (how a step's JSON-schema constraint travels: `vllm` `structured_outputs`,
+`openai` `response_format`, `llama.cpp` `json_schema`, `sglang` `json_schema` string; `auto`,
+the default, tries them in that order; `off`).
+
+Constraints. A constraint a JSON schema can say (the call after a `<tool_call>` prefill, the
+response after `<execution_result>`) is sent in the current form, and each finished answer is
+checked against the schema: servers answer HTTP 200 and ignore a field they do not know (vLLM
+since its `guided_json` went in 0.12), so support is read from the output. Under `auto` a form
+the server refuses, or one an answer breaks, is dropped for the next; when none is left the
+model decodes free, and `constraint_note` (the Run tab's model line, the eval report) says so.
+A constraint that allows a text answer instead (tool_choice auto) needs a grammar: it is sent
+free and counted.
 
 How prompts travel. A Prompt may carry a prefill (the Rehearse role always starts its reply
 with `<execution_result>`). Servers disagree on continuing an assistant message: vLLM and
@@ -24,11 +36,16 @@ prefill, and send text: the model reads exactly what the local backend would fee
 messages and the prefill is put back in front of its reply.
 
 Capabilities are discovered from answers, not assumed: `n` (several samples in one request;
-`transformers serve` ignores it and answers one choice, so the missing ones are sent as
-concurrent requests), `logprobs` (kept asking only while the server returns them), and prompt
-log-probabilities for `score` (`echo` + `logprobs` on `/v1/completions`; vLLM has them,
-`transformers serve` and llama.cpp do not: `score` then raises `RemoteCapabilityError` and
-the engine leaves `surprise` empty and refuses the `judge` selector).
+`transformers serve` and llama-cpp-python ignore it and answer one choice, llama.cpp's server
+refuses it in some versions: the missing ones are sent as concurrent requests), `logprobs`
+(kept asking only while the server returns them; llama-cpp-python without `logits_all` refuses
+them), and prompt log-probabilities for `score` (`echo` + `logprobs` on `/v1/completions`).
+Engines answer logprobs in different shapes, all read here: the completions shape
+(`token_logprobs`, `tokens`, `text_offset`: vLLM, SGLang with offsets -1, llama-cpp-python) and
+the chat shape (`content[{token, logprob}]`: llama.cpp's server, on /v1/completions too). vLLM,
+SGLang and llama-cpp-python echo the prompt's logprobs; `transformers serve` and llama.cpp's
+server do not: `score` then raises `RemoteCapabilityError` and the engine leaves `surprise` empty,
+runs without tool relevance and refuses the `judge` selector.
 
 `count_tokens` uses the local tokenizer when there is one, else an estimate of one token per
 four characters (close for English and JSON with BPE vocabularies; prompts are then fitted
@@ -42,7 +59,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,8 +67,9 @@ import httpx
 from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_attempt,
                       wait_exponential_jitter)
 
-from .base import NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Prompt, RemoteCapabilityError, derive_seed
-from .spec import EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
+from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
+                   derive_seed)
+from .spec import CONSTRAIN_FORMS, EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +80,11 @@ CHARS_PER_TOKEN = 4
 _MODEL_ERRORS = ("does not exist", "not found", "not served", "pinned to", "unknown model", "no such model")
 """Words of a 4xx detail that mean the model name is wrong (vLLM, SGLang, TGI, transformers serve)."""
 _MAX_STATS = 10_000
+_UNSUPPORTED = ("not supported", "unsupported", "only no echo", "only one completion choice")
+"""Words of an error that refuses a field for good, even with a 5xx (llama.cpp's server answers 500 for `echo`
+and for `n` > 1 in some versions; llama-cpp-python answers 500 for `logprobs` without `logits_all`): not retried."""
+
+
 class RemoteError(RuntimeError):
     """The server could not give an answer; the message is one line that says what to do."""
 
@@ -125,7 +148,37 @@ class _Caps:
     continue_final: bool | None = None
 
 
-class OpenAIPolicy:
+@dataclass
+class ConstraintRecord:
+    """Whether this server kept the steps' JSON-schema constraints (one record per model: one policy per spec)."""
+
+    form: str | None
+    """The form constraints are sent in now (`spec.CONSTRAIN_FORMS`); None: decoding free."""
+    counts: dict[str, list[int]] = field(default_factory=dict)
+    """Per form: [finished constrained answers that fit the schema, that did not]."""
+    free: int = 0
+    """Constrained prompts sent without a constraint: a JSON schema cannot say "a call, or else text"."""
+    dropped: list[str] = field(default_factory=list)
+    """Forms the server refused or ignored, in the order they were dropped."""
+    asked: bool = True
+    """False where `constrain=off` asked for none."""
+
+    @property
+    def note(self) -> str:
+        """One line for the model line and the report; empty before any constrained prompt."""
+        held, broken = self.counts.get(self.form or "", [0, 0])
+        free = f"; {self.free} text-or-call prompt(s) sent free" if self.free else ""
+        if not self.asked:
+            return "constraints off (constrain=off): decoding free"
+        if self.form is None:
+            return (f"constraints not kept by the server (it refused or ignored {', '.join(self.dropped)}): "
+                    "decoding free, answers may not fit the schema") if self.dropped else ""
+        if held + broken == 0:
+            return f"constraints sent as {self.form}{free}" if self.free else ""
+        return f"constraints sent as {self.form}: {held} of {held + broken} answer(s) fit the schema{free}"
+
+
+class OpenAIPolicy(Policy):
     """`Policy` over an OpenAI-compatible server. Thread-safe; requests of one call go out concurrently."""
 
     def __init__(self, spec: str, options: RemoteOptions, transport: httpx.BaseTransport | None = None) -> None:
@@ -143,6 +196,10 @@ class OpenAIPolicy:
         self._server_context: int | None = None
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
+        first = None if options.constrain == "off" else CONSTRAIN_FORMS[0] if options.constrain == "auto" \
+            else options.constrain
+        self.constraints = ConstraintRecord(form=first, asked=options.constrain != "off")
+        self._constraints_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"OpenAIPolicy({self.name!r})"
@@ -168,7 +225,8 @@ class OpenAIPolicy:
                                              "server or a long generation needs a larger ?timeout=") from None
             except httpx.TransportError as exc:  # refused, reset, connect timeout: worth another try
                 raise _Retryable(f"cannot connect ({type(exc).__name__}: {exc})") from exc
-            if resp.status_code == 429 or resp.status_code >= 500:
+            if (resp.status_code == 429 or resp.status_code >= 500) and not (
+                    resp.status_code >= 500 and any(w in _detail(resp).lower() for w in _UNSUPPORTED)):
                 raise _Retryable(f"HTTP {resp.status_code}: {_detail(resp)}", resp.status_code)
             return resp
 
@@ -320,22 +378,77 @@ class OpenAIPolicy:
             body["logprobs"] = True
         return "/chat/completions", body
 
+    @property
+    def constraint_note(self) -> str:
+        return self.constraints.note
+
+    def _constraint_form(self, prompt: Prompt) -> str | None:
+        """The form to send `prompt.constraint` in, or None (none, none kept, or one a JSON schema cannot say)."""
+        c = prompt.constraint
+        if c is None or self.constraints.form is None:
+            return None
+        if c.allow_text or c.open.strip():  # "a call or else text" needs a grammar: sent free, and counted
+            with self._constraints_lock:
+                self.constraints.free += 1
+            return None
+        return self.constraints.form
+
+    def _drop_form(self, form: str, why: str) -> None:
+        """The server refused or ignored `form`: `auto` moves on to the next form, else decoding goes free."""
+        with self._constraints_lock:
+            record = self.constraints
+            if record.form != form:
+                return  # another request already moved on
+            record.dropped.append(form)
+            left = [f for f in CONSTRAIN_FORMS if f not in record.dropped] if self.options.constrain == "auto" else []
+            record.form = left[0] if left else None
+        log.warning("%s: constraints sent as %s were %s; %s", self.name, form, why,
+                    f"trying {left[0]}" if left else "decoding free: answers may not fit the schema")
+
+    def _check_constraint(self, gen: Generation, prompt: Prompt, form: str) -> bool:
+        """Count whether a finished answer fits the schema it was constrained to; `auto` drops a form that did not.
+        True when the form is no longer the one to send (the request is worth sending again)."""
+        c = prompt.constraint
+        if c is None or not gen.finished:
+            return False  # cut off by the token budget: says nothing about the server
+        body = gen.text[len(prompt.prefill):] if gen.text.startswith(prompt.prefill) else gen.text
+        if c.close and body.rstrip().endswith(c.close):
+            body = body.rstrip()[: -len(c.close)]
+        fits = _fits(body, c.schema)
+        with self._constraints_lock:
+            if self.constraints.form != form:
+                return True
+            self.constraints.counts.setdefault(form, [0, 0])[0 if fits else 1] += 1
+        if not fits and self.options.constrain == "auto":
+            self._drop_form(form, f"ignored (an answer did not fit the schema: {body.strip()[:60]!r})")
+            return True
+        return False
+
     def _complete(self, prompt: Prompt, config: GenerationConfig, temperature: float, seed: int | None,
                   n: int = 1) -> list[Generation]:
         """One request; its choices as Generations (possibly fewer than `n`: the caller checks)."""
         self.check()
-        if prompt.constraint is not None and not getattr(self, "_said_unconstrained", False):
-            # Servers differ in how (and whether) they take a grammar; this backend decodes freely.
-            self._said_unconstrained = True
-            log.warning("%s: schema-constrained decoding applies to local models only; decoding unconstrained",
-                        self.name)
+        form = self._constraint_form(prompt)
         path, body = self._body(prompt, config, temperature, seed, n)
+        if form is not None:
+            body.update(_constraint_fields(form, prompt.constraint.schema))  # type: ignore[union-attr]
         try:
             data = self._request("POST", path, body)
         except RemoteError as exc:
+            if form is not None and _mentions(exc, _CONSTRAINT_WORDS[form] + (
+                    "schema", "grammar", "structured", "extra", "unexpected", "not permitted", "unknown field")):
+                self._drop_form(form, f"refused ({exc})")
+                return self._complete(prompt, config, temperature, seed, n)
             if "continue_final_message" in body and _mentions(exc, ("continue_final_message", "add_generation_prompt",
                                                                     "unexpected", "extra")):
                 self.caps.continue_final = False  # e.g. transformers serve: 422 on unknown fields
+                return self._complete(prompt, config, temperature, seed, n)
+            if n > 1 and _mentions(exc, ("choice", "'n'", '"n"', " n ")):
+                self.caps.n = False  # llama.cpp's server before n_cmpl: "Only one completion choice is allowed"
+                return self._complete(prompt, config, temperature, seed)
+            if "logprobs" in body and self.caps.logprobs is None and _mentions(exc, ("logprobs", "logits_all")):
+                self.caps.logprobs = False  # llama-cpp-python without logits_all: 500 for any `logprobs`
+                log.warning("%s: the server refuses logprobs (%s); decoding without them", self.name, exc)
                 return self._complete(prompt, config, temperature, seed, n)
             raise
         choices = data.get("choices")
@@ -347,8 +460,13 @@ class OpenAIPolicy:
         for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
             out.append(self._generation(choice, prompt.prefill, config.stop, path, "logprobs" in body,
                                         prefilled="continue_final_message" in body or path == "/completions"))
+        moved_on = False
         for gen in out:
             gen.sampled = temperature > 0
+            if form is not None:
+                moved_on = self._check_constraint(gen, prompt, form) or moved_on
+        if moved_on:  # the server ignored this form: ask again in the next one (or free, which stops here)
+            return self._complete(prompt, config, temperature, seed, n)
         return out
 
     def _generation(self, choice: Any, prefill: str, stop: tuple[str, ...], path: str, asked_logprobs: bool,
@@ -365,7 +483,7 @@ class OpenAIPolicy:
             text += "".join(_tool_call_text(tc) for tc in message.get("tool_calls") or [])
         if not isinstance(text, str):
             raise RemoteResponseError(f"{path}: a choice without text: {str(choice)[:120]!r}")
-        lps = _token_logprobs(choice.get("logprobs"), path)
+        lps = _token_logprobs(choice.get("logprobs"))
         if asked_logprobs and self.caps.logprobs is None:
             self.caps.logprobs = lps is not None
         if prefilled:
@@ -430,28 +548,13 @@ class OpenAIPolicy:
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise RemoteResponseError(f"{self.options.base_url}/completions answered with no choices")
-        lp = choices[0].get("logprobs")
-        text = choices[0].get("text")
-        ok = (isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list) and isinstance(text, str)
-              and text.startswith(full))
-        if not ok:
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        values = _echoed_logprobs(choices[0], full, len(prefix), usage.get("completion_tokens"))
+        if values is None:
             self.caps.prompt_logprobs = False
             raise RemoteCapabilityError(NO_PROMPT_LOGPROBS)
         self.caps.prompt_logprobs = True
-        tokens, values = lp.get("tokens") or [], lp["token_logprobs"]
-        offsets = lp.get("text_offset")
-        if not isinstance(offsets, list) or len(offsets) != len(values):
-            offsets, pos = [], 0
-            for tok in tokens:
-                offsets.append(pos)
-                pos += len(tok)
-        out = []
-        start, end = len(prefix), len(full)
-        for i, (off, value) in enumerate(zip(offsets, values)):
-            tok_end = offsets[i + 1] if i + 1 < len(offsets) else off + len(tokens[i] if i < len(tokens) else "")
-            if tok_end > start and off < end and value is not None:
-                out.append(float(value))  # tokens of the continuation (one straddling the boundary counts)
-        return out
+        return values
 
     def score(self, prompts: list[Prompt], continuations: list[str]) -> list[list[float]]:
         """Per-token log-probabilities of each continuation (`echo` + `logprobs` on /v1/completions)."""
@@ -506,16 +609,91 @@ def _tool_call_text(tool_call: Any) -> str:
     return "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 
-def _token_logprobs(logprobs: Any, path: str) -> list[float] | None:
+_CONSTRAINT_WORDS = {"vllm": ("structured_outputs",), "openai": ("response_format", "json_schema"),
+                     "llama.cpp": ("json_schema",), "sglang": ("json_schema",)}
+"""Words of an error that refuses a constraint form (with the generic ones in `_complete`)."""
+
+
+def _constraint_fields(form: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The request fields that carry a JSON-schema constraint in `form` (`spec.CONSTRAIN_FORMS`)."""
+    if form == "vllm":
+        return {"structured_outputs": {"json": schema}}
+    if form == "openai":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "step", "schema": schema}}}
+    if form == "llama.cpp":
+        return {"json_schema": schema}
+    return {"json_schema": json.dumps(schema)}  # sglang: a JSON string
+
+
+def _fits(body: str, schema: dict[str, Any]) -> bool:
+    """`body` is one JSON value valid under `schema`."""
+    import jsonschema
+
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return False
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+    except jsonschema.SchemaError:
+        return True  # a schema the validator cannot read: the server's grammar was the judge
+
+
+def _token_logprobs(logprobs: Any) -> list[float] | None:
+    """The generated tokens' log-probabilities, from either shape an engine answers with: the completions shape
+    (`token_logprobs`: vLLM, SGLang, llama-cpp-python) or the chat shape (`content[{token, logprob, top_logprobs}]`:
+    every chat endpoint, and llama.cpp's server on /v1/completions too). None: the answer has none."""
     if not isinstance(logprobs, dict):
         return None
-    if path == "/completions":
-        values = logprobs.get("token_logprobs")
-        return [float(v) for v in values if v is not None] if isinstance(values, list) else None
+    values = logprobs.get("token_logprobs")
+    if isinstance(values, list):
+        return [float(v) for v in values if _is_number(v)]
     content = logprobs.get("content")
-    if not isinstance(content, list):
+    if isinstance(content, list):
+        return [float(t["logprob"]) for t in content if isinstance(t, dict) and _is_number(t.get("logprob"))]
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _echoed_logprobs(choice: dict[str, Any], full: str, start: int, generated: Any) -> list[float] | None:
+    """Log-probabilities of the tokens of `full[start:]` in an `echo` + `logprobs` answer (each token that overlaps
+    it, one straddling the boundary too), or None where the answer holds none for the prompt.
+
+    Where a token is in the text is read from `text_offset` when every offset used agrees with the text (vLLM,
+    llama-cpp-python). Otherwise (SGLang writes -1, "not supported yet"; a BOS token's text counted in the
+    offsets) it is counted back from the end of the prompt over the prompt's tokens: all but the last `generated`
+    (the answer's `usage.completion_tokens`; 1, the one token asked for, when it does not say). An answer whose
+    logprobs cover only the generated tokens (llama.cpp's server, which echoes the text but not its logprobs)
+    holds none for the prompt."""
+    lp, text = choice.get("logprobs"), choice.get("text")
+    if not isinstance(lp, dict) or not isinstance(text, str) or not text.startswith(full):
         return None
-    return [float(t["logprob"]) for t in content if isinstance(t, dict) and t.get("logprob") is not None]
+    tokens, values, offsets = lp.get("tokens"), lp.get("token_logprobs"), lp.get("text_offset")
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values) \
+            or not all(isinstance(t, str) for t in tokens):
+        return None
+    end = len(full)
+    if isinstance(offsets, list) and len(offsets) == len(tokens) and all(_is_number(o) and o >= 0 for o in offsets):
+        spans = [(int(o), int(o) + len(t)) for o, t in zip(offsets, tokens)]
+        used = [i for i, (a, b) in enumerate(spans) if b > start and a < end]
+        if used and all(text.startswith(tokens[i], spans[i][0]) for i in used):
+            return [float(values[i]) for i in used if _is_number(values[i])]
+    n_gen = generated if isinstance(generated, int) and 0 <= generated <= len(tokens) else 1
+    prompt_tokens = tokens[: len(tokens) - n_gen]
+    out: list[float] = []
+    pos = end
+    for i in range(len(prompt_tokens) - 1, -1, -1):
+        if pos <= start:
+            break
+        if _is_number(values[i]):
+            out.append(float(values[i]))
+        pos -= len(prompt_tokens[i])
+    if pos > start or not out:
+        return None  # the prompt's tokens do not reach back over the continuation
+    return out[::-1]
 
 
 def _apply_stop(text: str, stop: tuple[str, ...], choice: dict[str, Any], prefill: str) -> tuple[str, bool]:

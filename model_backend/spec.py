@@ -12,7 +12,12 @@ from urllib.parse import urlsplit
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>, openai:<base_url>#<model>"
-REMOTE_OPTIONS = ("tokenizer", "prompt", "thinking", "do_sample", "timeout", "retries", "backoff", "context", "concurrency")
+REMOTE_OPTIONS = ("tokenizer", "prompt", "thinking", "do_sample", "timeout", "retries", "backoff", "context", "concurrency",
+                  "constrain")
+CONSTRAIN_FORMS = ("vllm", "openai", "llama.cpp", "sglang")
+"""How a step's JSON-schema constraint travels, by the engine that reads it: vLLM's `structured_outputs.json`,
+OpenAI's `response_format` json_schema (vLLM, SGLang, llama.cpp's chat endpoint), llama.cpp's `json_schema`
+object, SGLang's `json_schema` string. `auto` tries them in this order."""
 
 
 
@@ -52,6 +57,8 @@ class RemoteOptions:
     max_backoff: float = 8.0
     context: int | None = None
     concurrency: int = 8
+    constrain: str = "auto"
+    """`auto` (each form of `CONSTRAIN_FORMS` in turn, kept while the answers fit the schema), one form, or `off`."""
 
 
 def parse_remote_target(target: str) -> RemoteOptions:
@@ -96,8 +103,13 @@ def parse_remote_target(target: str) -> RemoteOptions:
                 opts.context = int(value)
             elif key == "concurrency":
                 opts.concurrency = max(1, int(value))
+            elif key == "constrain":
+                if value not in ("auto", "off", *CONSTRAIN_FORMS):
+                    raise ValueError
+                opts.constrain = value
         except ValueError:
-            raise ValueError(f"bad value for {key} in the openai: spec: {value!r}") from None
+            choices = {"constrain": f" (auto, off, {', '.join(CONSTRAIN_FORMS)})"}.get(key, "")
+            raise ValueError(f"bad value for {key} in the openai: spec: {value!r}{choices}") from None
     return opts
 
 

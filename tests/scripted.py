@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from model_backend.base import Generation, GenerationConfig, Prompt
+from model_backend.base import Generation, GenerationConfig, Policy, Prompt
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(Policy):
     name = "scripted"
     context_window = 8192
 

@@ -358,6 +358,41 @@ def test_relevance_is_off_for_a_policy_that_cannot_score():
     assert step.chosen_branch.call.name == "list_keys" and r.episode.settings.relevance == 0.0
 
 
+def test_the_ui_wrapper_forwards_every_declared_capability():
+    """`ProgressPolicy` answers each `Policy` capability as the policy it wraps does, not with the protocol's
+    default: a server without prompt log-probabilities stays one through it, and the runner turns relevance off."""
+    import contextlib
+
+    from app.service.session import ProgressPolicy
+    from model_backend import CAPABILITIES
+
+    entered, resets = [], []
+
+    class Capable(ScriptedPolicy):
+        supports_scoring = False
+        can_compute_ahead = True
+
+        @contextlib.contextmanager
+        def computing_ahead(self, stop=lambda: False):
+            entered.append(stop())
+            yield
+
+        def reset_cache(self):
+            resets.append(True)
+
+    backend = Capable([[call("list_keys")]])
+    wrapper = ProgressPolicy(backend)
+    assert all(name in vars(ProgressPolicy) for name in CAPABILITIES)  # none left to the protocol's default
+    assert wrapper.inner is backend and ProgressPolicy(wrapper).inner is backend
+    assert wrapper.supports_scoring is False and wrapper.can_compute_ahead is True
+    with wrapper.computing_ahead(lambda: True):
+        pass
+    wrapper.reset_cache()
+    assert entered == [True] and resets == [True]
+    r = EpisodeRunner(envs.load_task("mock:kv"), wrapper, RunSettings(mode="none", branches=1, relevance=0.5))
+    assert r.settings.relevance == 0.0
+
+
 def test_relevance_with_tool_candidates_re_aims_and_forces_in_one_batch():
     """`tools` + relevance: the re-aimed primary and the K-1 next tools are decoded in one `act_each` batch."""
     r, policy = runner([[call("list_keys")]],

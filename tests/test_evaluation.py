@@ -146,6 +146,18 @@ def test_same_seed_same_table_and_the_markdown_has_every_row(tmp_path):
         assert label in text
 
 
+def test_the_report_says_how_a_model_server_kept_the_constraints(tmp_path):
+    class Served(PromptPolicy):
+        constraint_note = "constraints not kept by the server (it refused or ignored vllm): decoding free"
+
+    cfg = config(modes=["none"], best_of_k=False, state_probe=0)
+    served = run_eval(cfg, Store(tmp_path / "s.db"), Served())
+    assert served["constraints"] == Served.constraint_note
+    assert f"Model server: {Served.constraint_note}." in markdown(served)
+    local = run_eval(cfg, Store(tmp_path / "l.db"), PromptPolicy())
+    assert local["constraints"] == "" and "Model server:" not in markdown(local)
+
+
 # ---------------------------------------------------------------- resume
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from app import envs
@@ -198,3 +198,104 @@ def test_model_specs_parse_or_name_the_valid_forms(spec: str) -> None:
         assert "valid forms" in str(exc)
         return
     assert isinstance(parsed, ModelSpec) and parsed.kind in ("embedded", "hf", "gguf", "openai")
+
+
+# ---------------------------------------------------------------- the world model's endpoint (MCP tools)
+
+good_property = st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "array",
+                                                                "object"])},
+                                      optional={"description": st.text(max_size=10)})
+property_schemas = st.one_of(
+    good_property, good_property,
+    st.fixed_dictionaries({"type": st.sampled_from(["null", "int", "dict", "float", "strin"])},
+                          optional={"enum": st.lists(json_values, max_size=3), "items": json_values,
+                                    "default": json_values}),
+    st.booleans(), json_values)
+good_schemas = st.builds(lambda props, n: {"type": "object", "properties": props, "required": list(props)[:n]},
+                         st.dictionaries(identifiers, good_property, max_size=3), st.integers(0, 2))
+input_schemas = st.one_of(
+    good_schemas, good_schemas, good_schemas,
+    st.builds(lambda props, required, extra: {"type": "object", "properties": props,
+                                              **({"required": required} if required is not None else {}), **extra},
+              st.one_of(st.dictionaries(identifiers, property_schemas, max_size=4), json_values),
+              st.one_of(st.none(), st.lists(identifiers, max_size=3), json_values),
+              st.dictionaries(st.sampled_from(["additionalProperties", "$schema", "title", "$ref"]), json_values,
+                              max_size=2)),
+    json_values)
+tool_names = st.sampled_from(["cat", "ls"])
+good_tools = st.builds(lambda schema, desc: [{"name": "cat", "description": desc, "inputSchema": schema},
+                                             {"name": "ls", "inputSchema": {"type": "object", "properties": {}}}],
+                       good_schemas, st.text(max_size=20))
+tool_defs = st.one_of(
+    st.fixed_dictionaries({"name": st.one_of(tool_names, st.text(max_size=6))},
+                          optional={"description": st.text(max_size=20), "inputSchema": input_schemas,
+                                    "outputSchema": st.one_of(input_schemas, json_values),
+                                    "annotations": st.one_of(json_values, st.just({"readOnlyHint": True}))}),
+    st.builds(lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+              tool_names, input_schemas),
+    json_values)
+tool_lists = st.one_of(good_tools, good_tools, good_tools, good_tools, st.lists(tool_defs, min_size=1, max_size=2), json_values, noisy_text)
+good_messages = st.one_of(
+    st.builds(lambda text: {"role": "user", "content": text}, st.text(max_size=20)),
+    st.builds(lambda text: {"role": "assistant", "content": text}, st.text(max_size=20)),
+    st.builds(lambda name, args: {"role": "assistant", "tool_calls": [{"function": {"name": name, "arguments": args}}]},
+              tool_names, st.one_of(st.dictionaries(identifiers, json_values, max_size=2).map(json.dumps), noisy_text)),
+    st.builds(lambda v: {"role": "tool", "content": v}, st.one_of(json_values.map(json.dumps), st.text(max_size=10))))
+messages = st.one_of(
+    good_messages, good_messages, good_messages,
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", ""]),
+                           "content": st.one_of(st.text(max_size=20), json_values)},
+                          optional={"tool_calls": json_values}),
+    json_values)
+histories = st.one_of(st.lists(messages, max_size=3), st.lists(good_messages, max_size=3), json_values)
+world_calls = st.one_of(
+    st.fixed_dictionaries({"name": tool_names, "arguments": st.dictionaries(identifiers, json_values, max_size=2)}),
+    st.fixed_dictionaries({"name": tool_names, "arguments": st.just({})}),
+    st.fixed_dictionaries({"name": st.one_of(tool_names, json_values)},
+                          optional={"arguments": st.one_of(st.dictionaries(identifiers, json_values, max_size=3),
+                                                           json_values, noisy_text)}),
+    json_values, noisy_text)
+
+
+def _world_model() -> Any:
+    from app.engine.world_model import WorldModel
+    from scripted import ScriptedPolicy
+
+    call = '<tool_call>{"name": "cat", "arguments": {"file_name": "a"}}</tool_call>'
+    return WorldModel(ScriptedPolicy([[call, "Done."]] * 4))
+
+
+WORLD_EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@WORLD_EXAMPLES
+@given(tools=tool_lists, history=histories, call=world_calls)
+def test_rehearse_inputs_give_a_rehearsal_or_say_what_to_fix(tools: Any, history: Any, call: Any) -> None:
+    from app.engine.world_model import Rehearsal, WorldModelInputError
+
+    try:
+        out = _world_model().rehearse(tools, history, call)
+    except WorldModelInputError as exc:
+        assert str(exc).strip() and "\n" not in str(exc)
+        event("refused")
+        return
+    event("rehearsed")
+    assert isinstance(out, Rehearsal) and isinstance(out.call["name"], str) and isinstance(out.call["arguments"], dict)
+    json.dumps(out.call)
+
+
+@WORLD_EXAMPLES
+@given(tools=tool_lists, history=histories,
+       k=st.one_of(st.integers(1, 4), st.integers(1, 4), st.integers(-1, 10), st.floats(allow_nan=False),
+                 st.text(max_size=3), st.booleans()))
+def test_propose_inputs_give_candidates_or_say_what_to_fix(tools: Any, history: Any, k: Any) -> None:
+    from app.engine.world_model import Candidate, WorldModelInputError
+
+    try:
+        out = _world_model().propose(tools, history, k)
+    except WorldModelInputError as exc:
+        assert str(exc).strip() and "\n" not in str(exc)
+        event("refused")
+        return
+    event("proposed")
+    assert out and all(isinstance(c, Candidate) for c in out) and sum(c.chosen for c in out) == 1

@@ -18,9 +18,10 @@ import pytest
 from fake_openai import FakeOpenAIServer, chat_reply, free_port, kv_agent, models_reply, serving
 
 import model_backend
-from model_backend.base import NO_PROMPT_LOGPROBS, GenerationConfig, Prompt, RemoteCapabilityError
+from model_backend.base import NO_PROMPT_LOGPROBS, Constraint, GenerationConfig, Prompt, RemoteCapabilityError
 from model_backend.remote import (OpenAIPolicy, RemoteError, RemoteModelError, RemoteResponseError,
                                   RemoteUnavailableError, parse_remote_target)
+from model_backend.spec import CONSTRAIN_FORMS
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = "?retries=3&backoff=0.01&timeout=10"
@@ -381,6 +382,12 @@ def test_transformers_serve_capabilities(served: tuple[str, str]) -> None:
     assert policy.options.do_sample is True and len({g.text for g in gens}) >= 2  # it really samples
     assert policy.caps.n is False and policy.caps.logprobs is False  # it ignores `n` and `logprobs`
     assert policy.supports_scoring is False  # no `echo` + prompt logprobs
+    # It refuses every constraint form (422 "Unexpected fields"): each is dropped, decoding goes free, and says so.
+    forced = Prompt(messages=PROMPT.messages, prefill="<tool_call>",
+                    constraint=Constraint(schema={"type": "object"}, close="</tool_call>"))
+    assert policy.act(forced, 1, GenerationConfig(max_new_tokens=8))[0].text.startswith("<tool_call>")
+    assert policy.constraints.form is None and policy.constraints.dropped == list(CONSTRAIN_FORMS)
+    assert policy.constraint_note.startswith("constraints not kept by the server")
     with pytest.raises(RemoteModelError, match="is not served"):
         remote(url, "HuggingFaceTB/SmolLM2-135M-Instruct")
 

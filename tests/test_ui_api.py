@@ -304,3 +304,41 @@ def test_space_entry_installs_only_missing_nodeps_pins(tmp_path, monkeypatch):
     monkeypatch.delenv("SPACE_ID", raising=False)
     entry.install_nodeps()
     assert calls == []  # only on a Space
+
+
+def test_run_tab_step_against_a_server_without_prompt_logprobs(tmp_path):
+    """The Run tab's defaults (selector judge, tool relevance 0.5) on an `openai:` server without prompt
+    log-probabilities: the judge is refused with a clean message, and with the logprob selector the step runs
+    without tool relevance and says so (it used to fail the episode: the UI's progress wrapper hid the
+    server's `supports_scoring`)."""
+    from fake_openai import FakeOpenAIServer, kv_agent, serving
+
+    from app.service.session import NO_RELEVANCE
+
+    with FakeOpenAIServer(serving("fake", kv_agent)) as fake:
+        demo = build_demo(db_path=str(tmp_path / "ui.db"))  # the real loader: `openai:` builds the remote policy
+        _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+        try:
+            c = Client(url, verbose=False)
+            spec = f"openai:{fake.url}#fake?retries=2&backoff=0.01&timeout=10"
+            defaults = form(task="mock:kv", model=spec, relevance=C.UI_DEFAULTS["relevance"],
+                            selector=C.UI_DEFAULTS["selector"])
+            assert defaults["relevance"] == 0.5 and defaults["selector"] == "judge"
+            message, *_ = c.predict(**defaults, api_name="/step")
+            assert "ea-msg-error" in message and "Selector judge needs prompt log-probabilities" in message
+            assert demo.services.store.db["episodes"].count == 0
+
+            message, status, chat, timeline, cards, state = c.predict(**{**defaults, "selector": "logprob"},
+                                                                      api_name="/step")
+            assert "ea-msg-error" not in message and NO_RELEVANCE in message
+            assert timeline["choices"] and "set(" in timeline["choices"][0][0]
+            [row] = demo.services.store.list_episodes()
+            episode = demo.services.store.get_episode(row["id"])
+            assert episode.status == "running" and len(episode.steps) == 1 and episode.settings.relevance == 0.0
+            assert "relevance 0 ·" in status
+            # the scripted server writes its calls free of the constraint: each form is dropped, and the model line
+            # says so (a visible fallback, not a silent one)
+            assert "constraints not kept by the server (it refused or ignored vllm, openai, llama.cpp, sglang)" \
+                in status
+        finally:
+            demo.close()

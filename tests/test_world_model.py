@@ -48,6 +48,19 @@ def test_tools_in_mcp_and_openai_form_read_the_same():
     ([{"description": "no name"}], "needs a string `name`"),
     ([{"name": "a", "inputSchema": {"type": "array"}}], "JSON object schema"),
     ([{"name": "a"}, {"name": "a"}], "two tools are named 'a'"),
+    # the JSON Schema meta-schema: each of these used to reach tool_signature (AttributeError) or pass silently
+    ([{"name": "cat", "inputSchema": {"type": "object", "properties": 5}}],
+     r"tools\[0\] \(cat\): inputSchema is not a valid JSON schema: properties: 5 is not of type 'object'$"),
+    ([{"name": "cat", "inputSchema": {"type": "object", "properties": {"file_name": "string"}}}],
+     r"inputSchema is not a valid JSON schema: properties.file_name: 'string' is not of type 'object', 'boolean'$"),
+    ([{"name": "cat", "inputSchema": {"type": "object", "properties": {"file_name": {"type": "string"}},
+                                      "required": "file_name"}}],
+     r"inputSchema is not a valid JSON schema: required: 'file_name' is not of type 'array'$"),
+    ([{"type": "function", "function": {"name": "cat", "parameters": {"type": "object",
+                                                                      "properties": {"n": {"type": "int"}}}}}],
+     r"tools\[0\] \(cat\): parameters is not a valid JSON schema: properties.n.type: 'int' is not valid"),
+    ([{"name": "cat", "outputSchema": {"type": "object", "required": [1]}}],
+     r"outputSchema is not a valid JSON schema: required.0: 1 is not of type 'string'$"),
 ])
 def test_bad_tools_say_what_to_fix(tools, message):
     with pytest.raises(WorldModelInputError, match=message):
@@ -72,9 +85,26 @@ def test_bad_calls_and_history_say_what_to_fix():
     assert history[1].call.name == "ls" and history[2].result == {"current_directory_content": ["a"]}
 
 
+@pytest.mark.parametrize("arguments, message", [
+    ({}, "'file_name' is a required property"),
+    ({"file_name": 3}, "file_name: 3 is not of type 'string'"),
+    ({"file_name": "a.txt", "lines": "ten"}, "lines: 'ten' is not of type 'integer'"),
+])
+def test_call_arguments_that_fail_the_schema_are_refused_before_any_model_call(arguments, message):
+    tools = [{"name": "cat", "inputSchema": {"type": "object", "required": ["file_name"], "properties": {
+        "file_name": {"type": "string"}, "lines": {"type": "integer"}}}}]
+    policy = ScriptedPolicy([])
+    with pytest.raises(WorldModelInputError, match=f"^call.arguments do not fit the inputSchema of cat: {message}$"):
+        WorldModel(policy).rehearse(tools, [], {"name": "cat", "arguments": arguments})
+    assert policy.rehearse_calls == [] and policy.act_calls == []
+    out = WorldModel(policy).rehearse(tools, [], {"name": "cat", "arguments": {"file_name": "a.txt", "lines": None}})
+    assert out.call == {"name": "cat", "arguments": {"file_name": "a.txt", "lines": None}}  # null: not given
+    assert len(policy.rehearse_calls) == 1
+
+
 def test_k_out_of_range_is_refused_before_any_model_call():
     policy = ScriptedPolicy([])  # an engine unit test: the scripted policy must never be asked
-    for k in (0, 9, 2.5, True, "3"):
+    for k in (0, 9, 2.5, True, "3", float("inf"), float("nan")):
         with pytest.raises(WorldModelInputError, match="k must be a whole number from 1 to 8"):
             WorldModel(policy).propose([{"name": "ls"}], [], k)
     assert policy.act_calls == [] and policy.rehearse_calls == []
@@ -126,11 +156,9 @@ def test_rehearse_predicts_a_json_response_with_its_confidence(policy):
     assert out.valid and out.predicted is not None and out.call == {"name": "ls", "arguments": {}}
     assert out.predicted_text.startswith("<execution_result>")
     assert 0 < out.confidence <= 1
-    # A wrong argument type is the model's to judge, not an input error: it still rehearses the call.
-    typed = WorldModel(policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
-    assert typed.call == {"name": "cd", "arguments": {"folder": 3}}
-    assert typed.predicted_text.startswith("<execution_result>")
-    assert typed.valid == (typed.predicted is not None) == (typed.confidence is not None)
+    # Arguments that fail the tool's schema are refused at the boundary (issue 38), before the model runs.
+    with pytest.raises(WorldModelInputError, match="call.arguments do not fit the inputSchema of cd: folder: 3"):
+        WorldModel(policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
 
 
 @pytest.mark.slow
@@ -167,3 +195,49 @@ def test_the_inspector_is_an_mcp_server_with_rehearse_and_propose(policy, tmp_pa
     body = json.loads(called.content[0].text)
     assert body["valid"] and body["call"]["name"] == "pwd" and 0 < body["confidence"] <= 1
     assert bad.isError and "unknown tool 'format_disk'" in bad.content[0].text
+
+
+def test_mcp_clients_read_what_to_fix_in_bad_schemas_and_arguments(tmp_path):
+    """Through the MCP protocol (`serve --mcp`): each bad input is the tool's error, one line that says what to
+    fix, not Gradio's generic "has raised an exception". No model is needed (a scripted one is never asked)."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from app.ui import build_demo
+
+    policy = ScriptedPolicy([])
+    demo = build_demo(db_path=str(tmp_path / "mcp.db"), policy_loader=lambda model, adapter: policy, mcp=True)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, mcp_server=True, quiet=True)
+    cat = {"type": "object", "properties": {"file_name": {"type": "string"}}, "required": ["file_name"]}
+    cases = [
+        ({"name": "cat", "inputSchema": {"type": "object", "properties": 5}}, {"file_name": "a"},
+         "tools[0] (cat): inputSchema is not a valid JSON schema: properties: 5 is not of type 'object'"),
+        ({"name": "cat", "inputSchema": {"type": "object", "properties": {"file_name": "string"}}}, {"file_name": "a"},
+         "properties.file_name: 'string' is not of type 'object', 'boolean'"),
+        ({"name": "cat", "inputSchema": {**cat, "required": "file_name"}}, {"file_name": "a"},
+         "required: 'file_name' is not of type 'array'"),
+        ({"name": "cat", "inputSchema": cat}, {"file_name": 7},
+         "call.arguments do not fit the inputSchema of cat: file_name: 7 is not of type 'string'"),
+    ]
+
+    async def session():
+        async with streamable_http_client(f"http://127.0.0.1:{port}/gradio_api/mcp/") as streams:
+            async with ClientSession(streams[0], streams[1]) as s:
+                await s.initialize()
+                out = [await s.call_tool("rehearse", {"tools": [tool], "history": [],
+                                                      "call": {"name": "cat", "arguments": args}})
+                       for tool, args, _ in cases]
+                out.append(await s.call_tool("propose", {"tools": [cases[0][0]], "history": [
+                    {"role": "user", "content": "show a"}], "k": 2}))
+                return out
+
+    try:
+        results = asyncio.run(asyncio.wait_for(session(), timeout=120))
+    finally:
+        demo.close()
+    for result, (_, _, message) in zip(results, cases + [cases[0]]):
+        text = result.content[0].text
+        assert result.isError and message in text and "\n" not in text.strip(), text
+        assert "raised an exception" not in text
+    assert policy.act_calls == [] and policy.rehearse_calls == []

@@ -35,7 +35,7 @@ from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, bran
                          parse_action, rehearse_target)
 from app.records import Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import (AheadStopped, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
-                                Timings, supports_scoring)
+                                Timings)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EpisodeRunner:
                  on_step: StepCallback | None = None, env: Environment | None = None,
                  judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None,
                  memory: RehearsalMemory | None = None, exclude_own_task: bool = False) -> None:
-        if settings.relevance > 0 and not supports_scoring(policy):
+        if settings.relevance > 0 and not policy.supports_scoring:
             # The ranking scores tool names and requests (prompt log-probabilities); a server without them
             # runs with the greedy action's tool, and the episode's settings say so.
             log.warning("%s cannot score prompts: tool relevance off for this episode", policy.name)
@@ -230,8 +230,8 @@ class EpisodeRunner:
         cancelled or cannot pay: an episode that is over, an environment that cannot fork in memory (its
         forks would reach a real backend), or a policy that keeps no results (a remote server, weights in
         training)."""
-        inner = getattr(self.policy, "inner", self.policy)  # the UI's progress wrapper reports the real step only
-        if self.done or not getattr(self.env, "forkable", False) or not getattr(inner, "can_compute_ahead", False):
+        inner = self.policy.inner  # the UI's progress wrapper reports the real step only
+        if self.done or not getattr(self.env, "forkable", False) or not inner.can_compute_ahead:
             return False
         if not self._turn_open and self.turn >= len(self.task.turns):
             return False

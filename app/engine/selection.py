@@ -22,7 +22,7 @@ from app.engine.history import latest_request
 from app.engine.proposals import TOOL_SCORE
 from app.formats import HistoryItem, call_text, judge_prompt
 from app.records import Branch
-from model_backend.base import NO_PROMPT_LOGPROBS, Policy, RemoteCapabilityError, supports_scoring
+from model_backend.base import NO_PROMPT_LOGPROBS, Policy, RemoteCapabilityError
 
 PREDICTED_ERROR_PENALTY = 0.5
 """Subtracted when the rehearsal predicts an error (scores are probabilities or mean log-probs)."""
@@ -40,7 +40,7 @@ def branch_summary(branch: Branch) -> str:
 
 def check_selector(policy: Policy, selector: str, mode: str) -> None:
     """Refuse up front what the policy cannot score: `judge` needs prompt log-probabilities."""
-    if selector == "judge" and mode != "none" and not supports_scoring(policy):
+    if selector == "judge" and mode != "none" and not policy.supports_scoring:
         raise RemoteCapabilityError(NO_PROMPT_LOGPROBS)
 
 

@@ -10,7 +10,9 @@ Inputs come from outside (an MCP client): tools in MCP form (`name`, `descriptio
 `inputSchema`, optional `outputSchema` and `annotations.readOnlyHint`) or OpenAI function form
 (`name`, `description`, `parameters`, optionally wrapped in `{"type": "function", "function": ...}`);
 history as chat messages (`user`, `assistant` with `content` or one `tool_calls` entry, `tool`
-with the result as `content`). Anything else raises `WorldModelInputError` naming what to fix.
+with the result as `content`). Tool schemas are checked against the JSON Schema meta-schema, and the
+call to rehearse against its tool's schema. Anything else raises `WorldModelInputError` naming what
+to fix.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from app.divergence import is_error
 from app.engine import modes
 from app.engine.context import StepContext
 from app.engine.runner import EpisodeRunner
-from app.envs.base import Task, Tool, ToolResult, TurnCheck
+from app.envs.base import (Task, Tool, ToolResult, TurnCheck, argument_problems, schema_problem, schema_validator,
+                           without_null_optionals)
 from app.formats import HistoryItem, call_text, rehearse_target
 from app.records import Branch, Call, RunSettings
 from model_backend.base import Policy, RemoteCapabilityError
@@ -118,12 +121,17 @@ def parse_tools(raw: Any) -> list[Tool]:
             item = item["function"]
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"].strip():
             raise WorldModelInputError(f"tools[{i}] needs a string `name`")
-        schema = item.get("inputSchema", item.get("parameters", {"type": "object", "properties": {}}))
+        field_name = "inputSchema" if "inputSchema" in item else "parameters"
+        schema = item.get(field_name, {"type": "object", "properties": {}})
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
             raise WorldModelInputError(f"tools[{i}] ({item['name']}): the input schema must be a JSON object schema")
         response = item.get("outputSchema")
         if response is not None and not isinstance(response, dict):
             raise WorldModelInputError(f"tools[{i}] ({item['name']}): outputSchema must be a JSON schema object")
+        for what, value in ((field_name, schema), ("outputSchema", response)):
+            problem = schema_problem(value) if value is not None else None
+            if problem:  # checked against the JSON Schema meta-schema: what every reader of the schema assumes
+                raise WorldModelInputError(f"tools[{i}] ({item['name']}): {what} is not a valid JSON schema: {problem}")
         hints = item.get("annotations") or {}
         name = item["name"].strip()
         if name in out:
@@ -148,6 +156,15 @@ def parse_call(raw: Any, tools: list[Tool] | None = None) -> Call:
     if tools is not None and raw["name"] not in {t.name for t in tools}:
         raise WorldModelInputError(f"unknown tool {raw['name']!r}; the tools are: {', '.join(t.name for t in tools)}")
     return Call(name=raw["name"], arguments=args)
+
+
+def check_arguments(call: Call, tools: list[Tool]) -> None:
+    """The call's arguments fit its tool's input schema (else WorldModelInputError saying what does not); a null
+    for an optional argument means "not given", as the environments read it."""
+    tool = next(t for t in tools if t.name == call.name)
+    problems = argument_problems(schema_validator(tool.parameters), without_null_optionals(tool, call.arguments))
+    if problems:
+        raise WorldModelInputError(f"call.arguments do not fit the inputSchema of {call.name}: {problems}")
 
 
 def parse_history(raw: Any) -> list[HistoryItem]:
@@ -219,6 +236,7 @@ class WorldModel:
         """The predicted response of `call` after `history`, with the model's confidence in it."""
         tool_list = parse_tools(tools)
         parsed = parse_call(call, tool_list)
+        check_arguments(parsed, tool_list)
         ctx = self._step(tool_list, parse_history(history), 1)
         branch = Branch(index=0, action_text=call_text(parsed), kind="call", call=parsed)
         ctx.branches = [branch]
@@ -228,7 +246,8 @@ class WorldModel:
     def propose(self, tools: Any, history: Any, k: int = 4) -> list[Candidate]:
         """K candidate actions (greedy first, then sampled; duplicates folded), each call rehearsed and
         scored; the one the logprob selector would commit is marked `chosen`."""
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or not 1 <= k <= MAX_K:
+        if (isinstance(k, bool) or not isinstance(k, (int, float)) or not math.isfinite(k) or k != int(k)
+                or not 1 <= k <= MAX_K):
             raise WorldModelInputError(f"k must be a whole number from 1 to {MAX_K}; got {k!r}")
         tool_list = parse_tools(tools)
         ctx = self._step(tool_list, parse_history(history), int(k))

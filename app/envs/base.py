@@ -5,6 +5,7 @@ bugs in our own code still raise.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -134,6 +135,39 @@ def without_null_optionals(tool: Tool, args: dict[str, Any]) -> dict[str, Any]:
     """A JSON null for an optional argument means "not given", as most JSON APIs read it."""
     optional = set(tool.parameters.get("properties", {})) - set(tool.parameters.get("required", []))
     return {k: v for k, v in args.items() if v is not None or k not in optional}
+
+
+_DRAFT_URIS = {str(cls.META_SCHEMA.get("$id", cls.META_SCHEMA.get("id", ""))).rstrip("#") for cls in (
+    jsonschema.Draft3Validator, jsonschema.Draft4Validator, jsonschema.Draft6Validator, jsonschema.Draft7Validator,
+    jsonschema.Draft201909Validator, jsonschema.Draft202012Validator)}
+"""The meta-schemas `schema_problem` checks against (`$schema` names one, with or without its trailing `#`)."""
+
+
+def schema_validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """A validator of instances of `schema`, for the draft its `$schema` names (default 2020-12)."""
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
+
+
+def schema_problem(schema: Any) -> str | None:
+    """What makes `schema` not a JSON schema (checked against its draft's meta-schema), one line
+    (`where: message`), or None when it is one."""
+    if not isinstance(schema, (dict, bool)):
+        return f"{json.dumps(schema, default=str)[:60]} is not a JSON schema object"
+    if isinstance(schema, bool):
+        return None
+    meta = schema.get("$schema")
+    if meta is not None and (not isinstance(meta, str) or meta.rstrip("#") not in _DRAFT_URIS):
+        return (f"$schema: {json.dumps(meta, default=str)[:60]} is not a JSON Schema draft's URI "
+                "(leave it out for 2020-12)")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = ".".join(str(p) for p in exc.path)
+        message = " ".join(exc.message.split())
+        message = message if len(message) <= 160 else message[:157] + "..."
+        return f"{where}: {message}" if where else message
+    return None
 
 
 def argument_problems(validator: jsonschema.protocols.Validator, args: dict[str, Any]) -> str | None:

@@ -243,6 +243,7 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
                      "by_context": probe},
         "memory": {"mode": cfg.memory, "k": cfg.memory_k, "transitions_at_start": memory_before,
                    "transitions_at_end": memory.counts()},
+        "constraints": loaded[0].constraint_note if loaded else "",
         "run": {"episodes_run": ran, "episodes_resumed": resumed,
                 "seconds": round(time.perf_counter() - started, 1), "finished_at": utcnow()},
     }

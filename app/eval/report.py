@@ -72,6 +72,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{cfg['max_steps_per_turn'] or 'from the task'}.", "",
         _memory_line(result) + " " + _selection_line(cfg), "",
     ]
+    if result.get("constraints"):  # a model server: how it kept the constrained decoding the rows ask for
+        lines += [f"Model server: {result['constraints']}.", ""]
     lines += [table_markdown(result), ""]
     lines += [
         "Task and turn success: BFCL's state and response checks. Call accuracy: committed steps whose call "

@@ -24,35 +24,59 @@ from app.records import Episode, Step
 from app.service.catalog import INSTRUCTION_PREFIX, RunRequest, TaskCatalog, discover_adapters
 from app.service.forms import InputError, SessionBusyError
 from app.store import Recorder, Store, StoreError
-from model_backend.base import RemoteCapabilityError
+from model_backend.base import Policy, RemoteCapabilityError
 
 log = logging.getLogger(__name__)
 
+NO_RELEVANCE = "This model server returns no prompt log-probabilities, so it cannot rank tools"
+"""The start of the notice when a form's tool relevance cannot apply (the runner turns it off)."""
 PolicyLoader = Callable[[str, "str | None"], Any]
 Report = Callable[[float, str], None]
 
 
-class ProgressPolicy:
-    """Forwards to a policy and reports which role is working, for the UI's progress bar."""
+class ProgressPolicy(Policy):
+    """Forwards to a policy and reports which role is working, for the UI's progress bar.
+
+    Every member of `Policy` is forwarded, its capabilities (`model_backend.base.CAPABILITIES`) too: a
+    capability left to the protocol's default would answer for the wrapper, not the model (a server without
+    prompt log-probabilities would seem to score)."""
 
     PHASES = {"act": 0.1, "rehearse": 0.4, "score": 0.7}
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = inner.name
+    def __init__(self, wrapped: Policy) -> None:
+        self.wrapped = wrapped
+        self.name = wrapped.name
         self.report: Report | None = None
         self.scored = 0
 
     @property
     def context_window(self) -> int:
-        return self.inner.context_window
+        return self.wrapped.context_window
 
     def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
+        return self.wrapped.count_tokens(text)
+
+    @property
+    def inner(self) -> Policy:
+        return self.wrapped.inner
+
+    @property
+    def supports_scoring(self) -> bool:
+        return self.wrapped.supports_scoring
+
+    @property
+    def can_compute_ahead(self) -> bool:
+        return self.wrapped.can_compute_ahead
+
+    def computing_ahead(self, stop=lambda: False):
+        return self.wrapped.computing_ahead(stop)
 
     def reset_cache(self) -> None:
-        if hasattr(self.inner, "reset_cache"):
-            self.inner.reset_cache()
+        self.wrapped.reset_cache()
+
+    @property
+    def constraint_note(self) -> str:
+        return self.wrapped.constraint_note
 
     def _say(self, phase: str, text: str) -> None:
         if self.report is not None:
@@ -61,20 +85,20 @@ class ProgressPolicy:
     def act(self, prompt, k, config):
         self.scored = 0
         self._say("act", f"Act: proposing {k} candidate action(s)")
-        return self.inner.act(prompt, k, config)
+        return self.wrapped.act(prompt, k, config)
 
     def act_each(self, prompts, config):
         self._say("act", f"Act: {len(prompts)} alternative action(s), one per tool")
-        return self.inner.act_each(prompts, config)
+        return self.wrapped.act_each(prompts, config)
 
     def rehearse(self, prompts, config):
         self._say("rehearse", f"Rehearse: predicting {len(prompts)} tool response(s)")
-        return self.inner.rehearse(prompts, config)
+        return self.wrapped.rehearse(prompts, config)
 
     def score(self, prompts, continuations):
         self._say("score", "Scoring: selector and surprise")
         self.scored += 1
-        return self.inner.score(prompts, continuations)
+        return self.wrapped.score(prompts, continuations)
 
 
 class Services:
@@ -334,6 +358,8 @@ class RunSession:
 
         self.runner = EpisodeRunner(task, policy, request.settings, model=request.model, adapter=request.adapter,
                                     on_step=self._record, env=env, judge=judge, memory=services.memory())
+        if request.settings.relevance > 0 and self.runner.settings.relevance == 0:
+            self.notices.append(f"{NO_RELEVANCE} (tool relevance is off for this episode).")
         self.request = request
         self.view_step = None
 
@@ -433,9 +459,8 @@ class RunSession:
         self._stop_ahead()
         self.close(services)
         self.resumed = False
-        reset_cache = getattr(getattr(self.runner, "policy", None), "reset_cache", None)
-        if reset_cache is not None:
-            reset_cache()  # the model's cached prompt prefixes go with the episode
+        if self.runner is not None:
+            self.runner.policy.reset_cache()  # the model's cached prompt prefixes go with the episode
         self.runner, self.recorder, self.request, self.view_step = None, None, None, None
         self.stop_requested.clear()
 
@@ -450,6 +475,10 @@ class RunSession:
             (self.recorder or Recorder(services.store)).flush(self.episode)
         except StoreError as exc:
             self.notices.append(f"Not saved: {exc}")
+
+    def model_note(self) -> str:
+        """What the model line adds about the model itself: how its server kept the constraints (`constraint_note`)."""
+        return self.runner.policy.constraint_note if self.runner is not None else ""
 
     def take_notices(self) -> list[str]:
         out, self.notices = self.notices, []

@@ -81,7 +81,7 @@ class RunCallbacks:
         open_turn = None if session.runner.done else session.runner.turn
         chat = render.chat_messages(session.task.turns, ep.steps, open_turn=open_turn)
         timeline = gr.Radio(choices=render.timeline_choices(ep.steps), value=shown.index if shown else None)
-        return (message, render.episode_status(ep), chat, timeline, render.branch_cards(shown),
+        return (message, render.episode_status(ep, session.model_note()), chat, timeline, render.branch_cards(shown),
                 render.state_view(shown))
 
     @staticmethod
