@@ -109,14 +109,23 @@ def test_continue_and_discard_from_the_traces_tab(tmp_path: Path) -> None:
 
     with pytest.raises(InputError, match="finished"):
         RunSession().resume(services, ep.id)
-    assert "only an interrupted, stopped or failed" in traces.discard_episode(ep.id)
+    message, plan, box, _ = traces.ask_discard(ep.id)
+    assert "only an interrupted, stopped or failed" in message and plan is None and box.visible is False
 
     stopped = runner_after(1, services.store)
     stopped.stop()
     services.store.save_episode(stopped.episode)
     branch_id = services.store.branch_rows(stopped.episode.id)[0]["id"]
     services.store.add_annotation(Annotation(branch_id=branch_id, label="minor", annotator="t"))
-    assert "discarded" in traces.discard_episode(stopped.episode.id)
+    # Discard asks first, naming what goes; only the confirmation deletes.
+    message, plan, box, question = traces.ask_discard(stopped.episode.id)
+    assert message == "" and box.visible is True
+    assert stopped.episode.id in question and envs.MOCK_TASK_ID.replace("_", "\\_") in question
+    assert "1 step and 1 annotation" in question
+    assert services.store.get_episode(stopped.episode.id).status == "stopped"  # asking deleted nothing
+    assert "kept" in traces.keep_episode(plan)[0] and services.store.annotations(branch_id)
+    message, pending, box = traces.discard_episode(plan)
+    assert "discarded" in message and "1 annotation" in message and pending is None and box.visible is False
     assert [r["id"] for r in services.store.list_episodes()] == [ep.id]
     assert services.store.annotations(branch_id) == []
 
