@@ -127,7 +127,8 @@ def success_and_calls_by_mode(episodes: list[dict[str, Any]]) -> go.Figure:
         for label, m in zip(labels, modes):
             if not judged[m]:
                 fig.add_annotation(x=label, y=0.05, text=NO_DATA, showarrow=False, yanchor="bottom", xref="x", yref="y")
-    fig.update_layout(title=title, showlegend=False, **LAYOUT)
+    fig.update_layout(title=title, showlegend=False,  # room for the subplot titles under the title
+                      **{**LAYOUT, "margin": {**LAYOUT["margin"], "t": 90}})
     return fig
 
 
