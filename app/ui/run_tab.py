@@ -27,9 +27,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                                          label="Filter: environment class")
                 category_filter = gr.Dropdown([C.ALL] + services.catalog.categories, value=C.ALL,
                                               label="Filter: category")
-                task_search = gr.Textbox(label="Search tasks", elem_id=C.ID_TASK_SEARCH,
-                                         placeholder="e.g. twitter, post, airline: ids, environments, tools and "
-                                                     "every user turn")
+                task_search = gr.Textbox(label="Search tasks", elem_id=C.ID_TASK_SEARCH, max_lines=1,
+                                         placeholder="e.g. twitter, post_tweet, airline",
+                                         info="ids, environments, tool names and every user turn")
                 task = gr.Dropdown(cb.task_choices(C.ALL, C.ALL), value=C.DEFAULT_TASK, filterable=True,
                                    allow_custom_value=True,  # unknown ids get our message, not a list of 800
                                    label="Task", info=C.TASK_LIST_INFO,
@@ -132,8 +132,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     env_filter.input(cb.filter_tasks, narrowing, task, api_name="filter_tasks")
     for trigger in (category_filter.input, task_search.submit):
         trigger(cb.filter_tasks, narrowing, task, api_visibility="private")
-    # As the person types, the last keystroke's list wins (a lookup in memory: outside the queue).
-    task_search.input(cb.filter_tasks, narrowing, task, api_visibility="private", trigger_mode="always_last",
+    # As the person types or deletes, the last value's list wins (a lookup in memory: outside the queue). `change`:
+    # Gradio's `input` missed deletions (Backspace) and pasted text.
+    task_search.change(cb.filter_tasks, narrowing, task, api_visibility="private", trigger_mode="always_last",
                       queue=False, show_progress="hidden")
     for trigger in (task.change, source.change, instruction.blur):
         trigger(cb.preview, [session], [message, chat], inputs_kwargs=form, api_visibility="private")

@@ -39,8 +39,8 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
         # Discard asks first, naming what it would delete (`ask_discard`); only "Delete it" deletes.
         pending_discard = gr.State(None)
         listed_note = gr.State("")  # the relisting after a delete keeps the "discarded" message in view
-        with gr.Group(visible=False, elem_id=C.ID_DISCARD_CONFIRM) as confirm_box:
-            confirm_text = gr.Markdown()
+        with gr.Group(visible=False) as confirm_box:
+            confirm_text = gr.Markdown(elem_id=C.ID_DISCARD_CONFIRM)
             with gr.Row():
                 confirm_btn = gr.Button(C.DISCARD_CONFIRM, variant="stop")
                 keep_btn = gr.Button(C.DISCARD_CANCEL)
