@@ -165,8 +165,9 @@ class Step(BaseModel):
     duration_s: float = 0.0
     """Seconds from Step to the step's record (for a step computed ahead, only what was left to do)."""
     ahead_s: float = 0.0
-    """Seconds its model calls ran ahead of time (`EpisodeRunner.compute_ahead`, while a person read the step
-    before), before Step committed it; 0 when none did. What its compute took: `compute_s`."""
+    """Wall-clock seconds its work ran ahead of time (`EpisodeRunner.compute_ahead`, while a person read the step
+    before; a wait for the model busy with another session's step included), before Step committed it; 0 when
+    none did. What its compute took: `compute_s`."""
     created_at: str = Field(default_factory=utcnow)
 
     @property
