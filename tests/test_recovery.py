@@ -119,6 +119,8 @@ def test_continue_and_discard_from_the_traces_tab(tmp_path: Path) -> None:
     branch_id = services.store.branch_rows(stopped.episode.id)[0]["id"]
     services.store.add_annotation(Annotation(branch_id=branch_id, label="minor", annotator="t"))
     # Discard asks first, naming what goes; only the confirmation deletes.
+    assert "Nothing to discard: press Discard first" in traces.discard_episode(None)[0]  # a confirm with no question
+    assert "Pick an episode first" in traces.ask_discard(None)[0]
     message, plan, box, question = traces.ask_discard(stopped.episode.id)
     assert message == "" and box.visible is True
     assert stopped.episode.id in question and envs.MOCK_TASK_ID.replace("_", "\\_") in question
