@@ -145,7 +145,7 @@ def selector_probability(scores: dict[str, float]) -> float | None:
 
 def calibration(branches: list[dict[str, Any]]) -> go.Figure:
     """Selector score of committed calls against whether the real call succeeded, in bins."""
-    title = "Selector calibration: score vs committed call succeeded"
+    title = "Selector calibration: score vs success"
     points = []
     for r in branches:
         if r["chosen"] and r["kind"] == "call" and r["actual_source"] == "committed" and r["actual_error"] is not None:
