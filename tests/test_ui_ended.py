@@ -52,7 +52,7 @@ def test_the_end_reason_the_discard_question_and_the_task_search_read_in_the_bro
             page.goto(url)
 
             # Task search looks in tool names: typing "post_tweet" narrows the list to the TwitterAPI tasks.
-            search = page.locator(f"#{C.ID_TASK_SEARCH} textarea").first
+            search = page.get_by_label("Search tasks")
             search.press_sequentially("post_tweet", delay=20)
             twitter = len(demo.services.catalog.ids_with_class("TwitterAPI"))
             expect(page.get_by_text(f"{twitter} task(s) match")).to_be_visible(timeout=TIMEOUT_MS)
