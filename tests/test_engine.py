@@ -415,7 +415,8 @@ def test_an_episode_that_ends_says_why():
                   settings=RunSettings(mode="none", branches=1))
     ep = r.run_all()
     assert [t.ended_by for t in ep.turn_results] == ["answer", "answer"]
-    assert ep.end_reason == "answered" and "all 2 user turns done: the agent answered the last one" in end_reason_text(ep)
+    assert ep.end_reason == "answered"
+    assert "all 2 user turns done: the agent answered the last one" in end_reason_text(ep)
     assert episode_json(ep)["end_reason"] == "answered"
 
     # The last turn's step budget runs out before an answer.

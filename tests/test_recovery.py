@@ -56,7 +56,8 @@ def test_a_dead_writers_running_episode_becomes_interrupted_and_a_live_ones_does
     status = {w: store.get_episode(i).status for w, i in ids.items()}
     assert status == {"dead": "interrupted", "live": "running", "elsewhere": "running", "none": "interrupted"}
     assert len(store.get_episode(ids["dead"]).steps) == 1  # its complete steps are kept
-    assert store.get_episode(ids["dead"]).end_reason == "interrupted" and store.get_episode(ids["live"]).end_reason is None
+    assert store.get_episode(ids["dead"]).end_reason == "interrupted"
+    assert store.get_episode(ids["live"]).end_reason is None
     assert sqlite3.connect(tmp_path / "t.db").execute("pragma integrity_check").fetchone() == ("ok",)
 
 

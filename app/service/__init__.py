@@ -19,6 +19,6 @@ from app.service.episodes import DiscardPlan, discard, plan_discard
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
 from app.service.session import AheadStatus, RunSession, Services
 
-__all__ = ["AheadStatus", "compute_time", "end_reason_text", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
-           "DiscardPlan", "build_annotation", "discard", "first_difference", "parse_number", "parse_settings", "plan_discard",
-           "task_turns"]
+__all__ = ["AheadStatus", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
+           "Services", "build_annotation", "compute_time", "discard", "end_reason_text", "first_difference",
+           "parse_number", "parse_settings", "plan_discard", "task_turns"]
