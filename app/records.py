@@ -23,6 +23,13 @@ the training split's ground truth and exploration from its states); everything o
 committed and shadow call, imports, corrections)."""
 TransitionSource = Literal["expert", "explore", "committed", "shadow", "imported", "correction"]
 ActionKind = Literal["call", "answer", "parse_error"]
+EndReason = Literal["answered", "step_budget", "no_turn_left", "stopped", "failed", "interrupted"]
+"""Why an episode ended: its last user turn ended with the agent's answer, or when the turn's step budget ran out
+(every turn done either way); no user turn was left to answer (a continued episode whose typed turn was never
+answered); it was stopped (Stop, Reset, a changed task or settings, a run's turn limit); a step failed; the process
+running it died."""
+TurnEnd = Literal["answer", "step_budget"]
+"""What ended a user turn: the agent answered, or the turn's step budget ran out first."""
 Label = Literal["match", "minor", "major", "hallucinated_state", "wrong_format"]
 LABELS: tuple[str, ...] = get_args(Label)
 
@@ -156,7 +163,17 @@ class Step(BaseModel):
     shadow_calls: int = 0
     external_calls: int = 0
     duration_s: float = 0.0
+    """Seconds from Step to the step's record (for a step computed ahead, only what was left to do)."""
+    ahead_s: float = 0.0
+    """Wall-clock seconds its work ran ahead of time (`EpisodeRunner.compute_ahead`, while a person read the step
+    before; a wait for the model busy with another session's step included), before Step committed it; 0 when
+    none did. What its compute took: `compute_s`."""
     created_at: str = Field(default_factory=utcnow)
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds the step's compute took in all: ahead of time, then at Step."""
+        return self.ahead_s + self.duration_s
 
     @property
     def chosen_branch(self) -> Branch:
@@ -169,6 +186,8 @@ class TurnResult(BaseModel):
     state_ok: bool = True
     response_ok: bool = True
     steps: int = 0
+    ended_by: TurnEnd | None = None
+    """None in traces recorded before it was kept."""
     details: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -246,6 +265,9 @@ class Episode(BaseModel):
     created_at: str = Field(default_factory=utcnow)
     finished_at: str | None = None
     error: str | None = None
+    end_reason: EndReason | None = None
+    """Why it ended (None while running, and in traces recorded before it was kept: `engine.report.end_reason_text`
+    then tells from its status and steps)."""
 
     @field_validator("settings", mode="before")
     @classmethod

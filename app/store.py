@@ -28,9 +28,11 @@ BUSY_TIMEOUT_S = 5.0
 SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
 METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
 ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str, "memory": str}
-ADDED_EPISODE_COLUMNS = {"writer": str}
+ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str}
 """`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
-dead writer (the episode was interrupted) from a live one (another process is still at it)."""
+dead writer (the episode was interrupted) from a live one (another process is still at it); `end_reason`:
+`Episode.end_reason`."""
+ADDED_STEP_COLUMNS = {"ahead_s": float}
 WRITER = f"{socket.gethostname()}:{os.getpid()}"
 """Branch columns newer than the first schema: added to an older database when it opens."""
 
@@ -137,7 +139,7 @@ class Store:
         db["steps"].create({
             "id": int, "episode_id": str, "idx": int, "turn": int, "chosen": int, "kind": str,
             "state_before": str, "state_after": str, "rehearsals": int, "shadow_calls": int,
-            "external_calls": int, "duration_s": float, "created_at": str,
+            "external_calls": int, "duration_s": float, "created_at": str, **ADDED_STEP_COLUMNS,
         }, pk="id", foreign_keys=[("episode_id", "episodes", "id")], if_not_exists=True)
         db["branches"].create({
             "id": int, "step_id": int, "episode_id": str, "step_idx": int, "idx": int, "kind": str,
@@ -148,7 +150,8 @@ class Store:
             "surprise": float, "chosen": int, "duplicates": int, **ADDED_BRANCH_COLUMNS,
         }, pk="id", foreign_keys=[("step_id", "steps", "id"), ("episode_id", "episodes", "id")],
             if_not_exists=True)
-        for table, added in (("branches", ADDED_BRANCH_COLUMNS), ("episodes", ADDED_EPISODE_COLUMNS)):
+        for table, added in (("branches", ADDED_BRANCH_COLUMNS), ("episodes", ADDED_EPISODE_COLUMNS),
+                             ("steps", ADDED_STEP_COLUMNS)):
             have = db[table].columns_dict
             for name, kind in added.items():
                 if name not in have:
@@ -191,7 +194,7 @@ class Store:
                    turn_results=_json([t.model_dump() for t in ep.turn_results]),
                    external_calls=ep.external_calls, shadow_calls=ep.shadow_calls,
                    rehearsals=ep.rehearsals, n_steps=len(ep.steps), created_at=ep.created_at,
-                   finished_at=ep.finished_at, error=ep.error,
+                   finished_at=ep.finished_at, error=ep.error, end_reason=ep.end_reason,
                    writer=WRITER if ep.status == "running" else None)
         row["shadow"] = int(row["shadow"])
         return row
@@ -218,7 +221,7 @@ class Store:
             "kind": step.kind, "state_before": _json(step.state_before),
             "state_after": _json(step.state_after), "rehearsals": step.rehearsals,
             "shadow_calls": step.shadow_calls, "external_calls": step.external_calls,
-            "duration_s": step.duration_s, "created_at": step.created_at,
+            "duration_s": step.duration_s, "ahead_s": step.ahead_s, "created_at": step.created_at,
         }).last_pk
         self.db["branches"].insert_all(self._branch_row(episode_id, step_id, step.index, b) for b in step.branches)
         return step_id
@@ -361,7 +364,8 @@ class Store:
                 found.append(row["id"])
             with self._atomic():
                 for episode_id in found:
-                    self.db["episodes"].update(episode_id, {"status": "interrupted", "writer": None})
+                    self.db["episodes"].update(episode_id, {"status": "interrupted", "end_reason": "interrupted",
+                                                            "writer": None})
             return found
         return self._guard(write)
 
@@ -404,13 +408,14 @@ class Store:
                 turn_results=[TurnResult(**t) for t in _unjson(row["turn_results"]) or []],
                 external_calls=row["external_calls"], shadow_calls=row["shadow_calls"],
                 rehearsals=row["rehearsals"], created_at=row["created_at"],
-                finished_at=row["finished_at"], error=row["error"],
+                finished_at=row["finished_at"], error=row["error"], end_reason=row.get("end_reason"),
                 steps=[Step(index=s["idx"], turn=s["turn"], chosen=s["chosen"], kind=s["kind"],
                             branches=by_step.get(s["id"], []),
                             state_before=_unjson(s["state_before"]) or {},
                             state_after=_unjson(s["state_after"]) or {}, rehearsals=s["rehearsals"],
                             shadow_calls=s["shadow_calls"], external_calls=s["external_calls"],
-                            duration_s=s["duration_s"], created_at=s["created_at"]) for s in steps])
+                            duration_s=s["duration_s"], ahead_s=s.get("ahead_s") or 0.0,
+                            created_at=s["created_at"]) for s in steps])
         return self._guard(read)
 
     def annotations(self, branch_id: int | None = None) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from app.envs.mock import MockEnvironment
 from app.records import RunSettings
 from app.service.catalog import RunRequest
 from app.service.session import AheadStatus, RunSession, Services
+from app.ui import render
 from app.ui.run_callbacks import RunCallbacks, form_from_request
 from model_backend import GenerationConfig, Prompt, load_policy
 from model_backend.policy import TransformersPolicy
@@ -152,6 +153,10 @@ def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, 
     model_calls.update(generate=0, score=0)
     list(run.step(session, progress=lambda *a, **k: None, **form))
     assert len(session.episode.steps) == 2 and model_calls == {"generate": 0, "score": 0}
+    second = session.episode.steps[1]  # its header says what its compute took ahead, not the 0.0 s at Step
+    assert second.ahead_s > 0
+    assert "computed ahead while the step before was read" in render.step_header(second)
+    assert session.episode.steps[0].ahead_s == 0  # step 0 was computed when Step was pressed
     assert session.computing_ahead or session.runner.done  # the third step is on its way
     assert session.runner.done or session.ahead_status().step == 2
     first = session.episode.id

@@ -437,3 +437,142 @@ def test_keep_primary_moves_off_the_greedy_call_only_on_a_predicted_error(primar
     step = r.step()
     assert step.chosen_branch.call.name == committed
     assert step.branches[1].scores["judge"] > step.branches[0].scores["judge"]  # the judge did prefer list_keys
+
+
+# ---------------------------------------------------------------- why an episode ended
+
+
+def test_an_episode_that_ends_says_why():
+    from app.engine import end_reason_text
+
+    # Both turns end with the agent's answer.
+    r, _ = runner([[call("set", key="color", value="blue")], ["Stored."], [call("delete", key="size")], ["Done."]],
+                  settings=RunSettings(mode="none", branches=1))
+    ep = r.run_all()
+    assert [t.ended_by for t in ep.turn_results] == ["answer", "answer"]
+    assert ep.end_reason == "answered"
+    assert "all 2 user turns done: the agent answered the last one" in end_reason_text(ep)
+    assert episode_json(ep)["end_reason"] == "answered"
+
+    # The last turn's step budget runs out before an answer.
+    r, _ = runner([[call("set", key="color", value="blue")], ["Stored."]] + [[call("list_keys")]] * 2,
+                  settings=RunSettings(mode="none", branches=1, max_steps_per_turn=2))
+    ep = r.run_all()
+    assert [t.ended_by for t in ep.turn_results] == ["answer", "step_budget"]
+    assert ep.end_reason == "step_budget"
+    assert "the last one used its whole step budget (2 steps) without an answer" in end_reason_text(ep)
+
+    # Stopped, and failed: each says so (and a failed one what failed).
+    r, _ = runner([[call("list_keys")]], settings=RunSettings(mode="none", branches=1))
+    r.step()
+    r.stop()
+    assert r.episode.end_reason == "stopped" and end_reason_text(r.episode).startswith("stopped after 1 step and 0")
+    r, _ = runner([[call("list_keys")]], settings=RunSettings(mode="none", branches=1))
+    r.step()
+    r.fail("the model server went away")
+    assert (r.episode.status, r.episode.end_reason) == ("failed", "failed")
+    assert end_reason_text(r.episode) == "a step failed after 1 step: the model server went away"
+    assert end_reason_text(runner([["x"]])[0].episode) == ""  # still running: nothing to say
+
+
+def test_a_trace_recorded_before_end_reasons_tells_from_its_steps():
+    from app.engine import end_reason_text
+
+    r, _ = runner([[call("set", key="color", value="blue")], ["Stored."], [call("delete", key="size")], ["Done."]],
+                  settings=RunSettings(mode="none", branches=1))
+    old = r.run_all().model_copy(update={"end_reason": None})
+    assert "the agent answered the last one" in end_reason_text(old)
+    assert "interrupted after 4 steps" in end_reason_text(old.model_copy(update={"status": "interrupted"}))
+
+
+def test_a_typed_turn_reopens_a_finished_episode_and_clears_its_end_reason():
+    from app.service.catalog import UnjudgedJudge
+
+    task = envs.load_task("mock:kv")
+    r = EpisodeRunner(task, ScriptedPolicy([["Sure."], ["Fine."], ["Again."]]),
+                      RunSettings(mode="none", branches=1), judge=UnjudgedJudge("x"))
+    r.run_all()
+    assert r.episode.end_reason == "answered"
+    r.add_user_turn("And now?")
+    assert r.episode.status == "running" and r.episode.end_reason is None
+    r.run_all()
+    assert r.episode.end_reason == "answered" and len(r.episode.turn_results) == 3
+
+
+# ---------------------------------------------------------------- what a step computed ahead took
+
+
+class AheadPolicy(ScriptedPolicy):
+    """Keeps what it computes ahead (as TransformersPolicy does) and advances a fake clock while it computes, so
+    that the seconds the runner measures are exact."""
+
+    can_compute_ahead = True
+
+    def __init__(self, clock, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock, self.ahead, self.kept = clock, False, {}
+
+    def computing_ahead(self, stop):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            self.ahead = True
+            try:
+                yield
+            finally:
+                self.ahead = False
+        return on()
+
+    def act(self, prompt, k, config):
+        key = json.dumps(prompt.messages)
+        if key in self.kept:
+            return self.kept.pop(key) if not self.ahead else self.kept[key]
+        self.clock.now += 2.5  # the model's work, ahead or at Step
+        out = super().act(prompt, k, config)
+        if self.ahead:
+            self.kept[key] = out
+        return out
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_step_computed_ahead_carries_what_its_compute_took(monkeypatch):
+    from app.engine import compute_time
+    from app.engine import runner as runner_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(runner_module, "time", clock)
+    task = envs.load_task("mock:kv")
+    policy = AheadPolicy(clock, [[call("set", key="color", value="blue")], [call("list_keys")], ["Done."]])
+    r = EpisodeRunner(task, policy, RunSettings(mode="none", branches=1))
+    first = r.step()  # computed at Step
+    assert (first.duration_s, first.ahead_s, first.compute_s) == (2.5, 0.0, 2.5)
+    assert r.compute_ahead() is True
+    second = r.step()  # only looked up: its model call ran ahead
+    assert (second.duration_s, second.ahead_s, second.compute_s) == (0.0, 2.5, 2.5)
+    assert compute_time(second) == "2.5 s (2.5 s computed ahead while the step before was read, 0.0 s at Step)"
+    assert compute_time(first) == "2.5 s"
+    assert r.step().ahead_s == 0.0  # nothing computed ahead for the third
+
+
+def test_work_ahead_for_a_turn_the_person_then_retyped_is_not_counted(monkeypatch):
+    from app.engine import runner as runner_module
+    from app.service.catalog import UnjudgedJudge
+
+    clock = FakeClock()
+    monkeypatch.setattr(runner_module, "time", clock)
+    task = envs.load_task("mock:kv")
+    r = EpisodeRunner(task, AheadPolicy(clock, [["Sure."], ["Fine."]]), RunSettings(mode="none", branches=1),
+                      judge=UnjudgedJudge("x"))
+    r.step()  # turn 1 answered
+    assert r.compute_ahead() is True  # turn 2 (the scripted one) computed ahead
+    r.add_user_turn("Something else entirely.")
+    step = r.step()
+    assert step.ahead_s == 0.0 and step.duration_s == 2.5  # the work ahead was for another turn

@@ -56,6 +56,8 @@ def test_a_dead_writers_running_episode_becomes_interrupted_and_a_live_ones_does
     status = {w: store.get_episode(i).status for w, i in ids.items()}
     assert status == {"dead": "interrupted", "live": "running", "elsewhere": "running", "none": "interrupted"}
     assert len(store.get_episode(ids["dead"]).steps) == 1  # its complete steps are kept
+    assert store.get_episode(ids["dead"]).end_reason == "interrupted"
+    assert store.get_episode(ids["live"]).end_reason is None
     assert sqlite3.connect(tmp_path / "t.db").execute("pragma integrity_check").fetchone() == ("ok",)
 
 
@@ -109,14 +111,25 @@ def test_continue_and_discard_from_the_traces_tab(tmp_path: Path) -> None:
 
     with pytest.raises(InputError, match="finished"):
         RunSession().resume(services, ep.id)
-    assert "only an interrupted, stopped or failed" in traces.discard_episode(ep.id)
+    message, plan, box, _ = traces.ask_discard(ep.id)
+    assert "only an interrupted, stopped or failed" in message and plan is None and box.visible is False
 
     stopped = runner_after(1, services.store)
     stopped.stop()
     services.store.save_episode(stopped.episode)
     branch_id = services.store.branch_rows(stopped.episode.id)[0]["id"]
     services.store.add_annotation(Annotation(branch_id=branch_id, label="minor", annotator="t"))
-    assert "discarded" in traces.discard_episode(stopped.episode.id)
+    # Discard asks first, naming what goes; only the confirmation deletes.
+    assert "Nothing to discard: press Discard first" in traces.discard_episode(None)[0]  # a confirm with no question
+    assert "Pick an episode first" in traces.ask_discard(None)[0]
+    message, plan, box, question = traces.ask_discard(stopped.episode.id)
+    assert message == "" and box.visible is True
+    assert stopped.episode.id in question and envs.MOCK_TASK_ID.replace("_", "\\_") in question
+    assert "1 step and 1 annotation" in question
+    assert services.store.get_episode(stopped.episode.id).status == "stopped"  # asking deleted nothing
+    assert "kept" in traces.keep_episode(plan)[0] and services.store.annotations(branch_id)
+    message, pending, box = traces.discard_episode(plan)
+    assert "discarded" in message and "1 annotation" in message and pending is None and box.visible is False
     assert [r["id"] for r in services.store.list_episodes()] == [ep.id]
     assert services.store.annotations(branch_id) == []
 
@@ -143,3 +156,31 @@ def test_the_run_form_keeps_the_tool_choice(tool_choice: str) -> None:
     form = {**form_from_request(request), "instruction": "", "instruction_env": ""}
     assert form["tool_choice"] == tool_choice
     assert request_from_form(form).settings.tool_choice == tool_choice
+
+
+def test_discard_refuses_what_it_may_not_delete_and_what_changed_since_it_asked(tmp_path: Path) -> None:
+    from app.service import discard, plan_discard
+
+    store = Store(tmp_path / "t.db")
+    for missing in (None, ""):
+        with pytest.raises(InputError, match="Pick an episode first"):
+            plan_discard(store, missing)
+    with pytest.raises(InputError, match="no episode with id nope"):
+        plan_discard(store, "nope")
+    running = runner_after(1, store)
+    with pytest.raises(InputError, match="is running: only an interrupted, stopped or failed"):
+        plan_discard(store, running.episode.id)
+    running.stop()
+    store.save_episode(running.episode)
+    plan = plan_discard(store, running.episode.id)
+    assert (plan.steps, plan.annotations, plan.status) == (1, 0, "stopped")
+    branch_id = store.branch_rows(running.episode.id)[0]["id"]
+    store.add_annotation(Annotation(branch_id=branch_id, label="match", annotator="t"))  # after the question
+    with pytest.raises(InputError, match="changed since you asked .*1 annotation"):
+        discard(store, plan)
+    assert store.annotations(branch_id) and store.get_episode(running.episode.id).status == "stopped"
+    again = plan_discard(store, running.episode.id)
+    assert "1 step and 1 annotation" in again.question()
+    assert "discarded" in discard(store, again)
+    with pytest.raises(InputError, match="no episode"):
+        plan_discard(store, running.episode.id)

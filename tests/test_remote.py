@@ -289,6 +289,8 @@ def test_episode_through_a_scripted_server(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["success"] is True
+    assert summary["end_reason"] == "answered"
+    assert "Ended: all 2 user turns done: the agent answered the last one" in out.stderr  # the account's last line
     ep = Store(str(db)).get_episode(summary["episode_id"])
     assert ep.status == "finished" and len(ep.steps) == len(summary["steps"])
     rehearsed = [b for s in ep.steps for b in s.branches if b.predicted_text is not None]
@@ -316,7 +318,7 @@ def test_server_dying_mid_episode_keeps_the_complete_steps(tmp_path: Path) -> No
     store = Store(str(db))
     (row,) = store.list_episodes()
     ep = store.get_episode(row["id"])
-    assert ep.status == "failed" and "503" in (ep.error or "")
+    assert ep.status == "failed" and "503" in (ep.error or "") and ep.end_reason == "failed"
     assert len(ep.steps) == 2 and ep.steps[0].chosen_branch.call.name == "set"
     assert ep.steps[1].kind == "answer"
 

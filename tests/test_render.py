@@ -87,3 +87,24 @@ def test_untrusted_text_cannot_become_markdown_markup() -> None:
     block = md_fence("a\n```\n<script>alert(1)</script>\n```", "json")
     fence = block.split("\n")[0].removesuffix("json")
     assert len(fence) == 4 and block.endswith("\n" + fence)  # the text's own ``` cannot close it
+
+
+def test_the_step_header_shows_what_a_step_computed_ahead_took() -> None:
+    from app.records import Step
+
+    b = Branch(index=0, action_text="Done.", kind="answer", chosen=True)
+    ahead = Step(index=1, turn=0, branches=[b], chosen=0, kind="answer", duration_s=0.02, ahead_s=6.31)
+    head = render.step_header(ahead)
+    assert "6.3 s (6.3 s computed ahead while the step before was read, 0.0 s at Step)" in head
+    assert "0.0 s</div>" not in head
+    assert render.step_header(ahead.model_copy(update={"ahead_s": 0.0, "duration_s": 3.04})).endswith("3.0 s</div>")
+
+
+def test_the_status_of_an_ended_episode_says_why() -> None:
+    r = EpisodeRunner(envs.load_task("mock:kv"), ScriptedPolicy([[call("list_keys")]]),
+                      RunSettings(mode="none", branches=1))
+    r.step()
+    assert "Ended" not in render.episode_status(r.episode)
+    r.fail("boom <b>*x*</b>")
+    status = render.episode_status(r.episode)
+    assert "**Ended:** a step failed after 1 step: boom \\<b\\>\\*x\\*\\</b\\>" in status  # escaped: shown as written

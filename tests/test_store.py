@@ -173,3 +173,26 @@ def test_a_full_disk_is_a_clear_error_and_loses_no_earlier_data(full_store):
     for episode_id in saved:  # every earlier step is intact and readable
         assert store.get_episode(episode_id).steps[0].state_before["i"] == int(episode_id[2:])
     assert store.db.execute("pragma integrity_check").fetchone()[0] == "ok"
+
+
+def test_end_reason_and_ahead_seconds_round_trip_and_an_older_database_gains_them(tmp_path):
+    from app.store import ADDED_EPISODE_COLUMNS, ADDED_STEP_COLUMNS
+
+    path = tmp_path / "old.db"
+    store = Store(path)
+    ep = make_episode(1)
+    store.add_step(ep, ep.steps[0])
+    store.db["steps"].transform(drop=set(ADDED_STEP_COLUMNS))  # the schema before these columns
+    store.db["episodes"].transform(drop={"end_reason"})
+    store.close()
+    reopened = Store(path)
+    assert {"ahead_s"} <= set(reopened.db["steps"].columns_dict)
+    assert set(ADDED_EPISODE_COLUMNS) <= set(reopened.db["episodes"].columns_dict)
+    old = reopened.get_episode("ep1")
+    assert old.end_reason is None and old.steps[0].ahead_s == 0.0
+    new = make_episode(2)
+    new.steps[1].ahead_s, new.steps[1].duration_s = 4.25, 0.05
+    new.status, new.end_reason = "stopped", "stopped"
+    reopened.add_step(new, new.steps[1])
+    loaded = reopened.get_episode("ep1")
+    assert loaded.end_reason == "stopped" and loaded.steps[1].ahead_s == 4.25 and loaded.steps[1].compute_s == 4.3

@@ -164,9 +164,9 @@ def test_sessions_do_not_see_each_others_runs(app):
 def test_run_to_end_then_step_then_reset(app):
     c = client(app)
     _, status, *_ = c.predict(**form(task="mock:kv", branches=2), api_name="/run_to_end")
-    assert "**finished**" in status
+    assert "**finished**" in status and "**Ended:** all 2 user turns done: the last one" in status
     message = c.predict(**form(task="mock:kv", branches=2), api_name="/step")[0]
-    assert "This episode is over" in message
+    assert "This episode is over (all 2 user turns done: the last one" in message and "press Reset" in message
     message, status, chat, *_ = c.predict(**form(task="mock:kv", branches=2), api_name="/reset")
     assert "Reset" in message and "No episode yet" in status
     assert chat[0]["role"] == "user" and "blue" in chat[0]["content"][0]["text"]
@@ -280,11 +280,17 @@ def test_dashboard_returns_five_figures(app):
 
 def test_task_filter_by_environment_class(app):
     c = client(app)
-    update = c.predict("MathAPI", C.ALL, C.DEFAULT_TASK, api_name="/filter_tasks")
+    update = c.predict("MathAPI", C.ALL, "", C.DEFAULT_TASK, api_name="/filter_tasks")
     ids = [value for _, value in update["choices"]]
     catalog = app[0].services.catalog
     assert ids and all("MathAPI" in catalog.env_classes_of(i) for i in ids)
     assert update["value"] == ids[0]  # the default task has no MathAPI: the first match is picked
+    update = c.predict(C.ALL, C.ALL, "tweet", C.DEFAULT_TASK, api_name="/filter_tasks")
+    ids = [value for _, value in update["choices"]]
+    assert C.DEFAULT_TASK in ids and update["value"] == C.DEFAULT_TASK  # TwitterAPI's: it stays picked
+    assert set(catalog.ids_with_class("TwitterAPI")) <= set(ids)
+    update = c.predict(C.ALL, C.ALL, "zzz-no-such-word", C.DEFAULT_TASK, api_name="/filter_tasks")
+    assert update["choices"] == [] and "no task matches" in update["info"]
 
 
 def test_space_entry_installs_only_missing_nodeps_pins(tmp_path, monkeypatch):

@@ -106,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     policy = load_policy_or_fail(args.model, args.adapter)
     check_selector_or_fail(policy, settings.selector, settings.mode)
 
-    from app.engine import EpisodeRunner, episode_json, format_step
+    from app.engine import EpisodeRunner, end_reason_text, episode_json, format_step
     from app.store import Recorder, Store, StoreError
 
     db_path = args.db or default_db_path()
@@ -143,8 +143,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not is_model_failure(exc):
             raise
         # The server went away mid-step: the finished steps are already stored; say so and stop.
+        runner.fail(str(exc).splitlines()[0])
         ep = runner.episode
-        ep.status, ep.error = "failed", str(exc).splitlines()[0][:500]
         try:
             recorder.flush(ep)
         except StoreError:
@@ -158,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ep = runner.episode
     print(f"Episode {ep.id}: success={ep.success} external_calls={ep.external_calls} "
           f"shadow_calls={ep.shadow_calls} rehearsals={ep.rehearsals} (saved to {db_path})", file=out)
+    print(f"Ended: {end_reason_text(ep)}", file=out)
     if args.json:
         print(json.dumps(episode_json(ep), ensure_ascii=False, default=str))
     return 0

@@ -21,7 +21,7 @@ def branch_json(b: Branch) -> dict[str, Any]:
 def step_json(s: Step) -> dict[str, Any]:
     return {"index": s.index, "turn": s.turn, "kind": s.kind, "chosen": s.chosen,
             "rehearsals": s.rehearsals, "shadow_calls": s.shadow_calls,
-            "external_calls": s.external_calls, "duration_s": s.duration_s,
+            "external_calls": s.external_calls, "duration_s": s.duration_s, "ahead_s": s.ahead_s,
             "branches": [branch_json(b) for b in s.branches]}
 
 
@@ -30,10 +30,41 @@ def episode_json(ep: Episode) -> dict[str, Any]:
     return {
         "episode_id": ep.id, "task": ep.task_id, "model": ep.model, "adapter": ep.adapter,
         "settings": ep.settings.model_dump(), "status": ep.status, "success": ep.success,
+        "end_reason": ep.end_reason, "ended": end_reason_text(ep),
         "turn_results": [t.model_dump() for t in ep.turn_results],
         "external_calls": ep.external_calls, "shadow_calls": ep.shadow_calls,
         "rehearsals": ep.rehearsals, "steps": [step_json(s) for s in ep.steps],
     }
+
+
+def _turns(n: int) -> str:
+    return f"{n} user turn{'' if n == 1 else 's'}"
+
+
+def end_reason_text(ep: Episode) -> str:
+    """Why the episode ended, in one sentence for a person ("" while it runs). Traces recorded before the reason
+    was kept tell it from their status, and a finished one from its last step (an answer, else the budget)."""
+    reason = ep.end_reason or {"stopped": "stopped", "failed": "failed", "interrupted": "interrupted"}.get(ep.status)
+    if reason is None and ep.status == "finished":
+        reason = "answered" if ep.steps and ep.steps[-1].kind == "answer" else "step_budget"
+    done = len(ep.turn_results)
+    if reason == "answered":
+        return f"all {_turns(done)} done: the agent answered the last one"
+    if reason == "step_budget":
+        last = ep.turn_results[-1].steps if ep.turn_results else len(ep.steps)
+        return (f"all {_turns(done)} done: the last one used its whole step budget ({last} step"
+                f"{'' if last == 1 else 's'}) without an answer")
+    if reason == "no_turn_left":
+        return "no user turn was left to answer"
+    steps = f"{len(ep.steps)} step{'' if len(ep.steps) == 1 else 's'}"
+    if reason == "stopped":
+        return (f"stopped after {steps} and {done} finished user turn{'' if done == 1 else 's'} (Stop or Reset "
+                "pressed, the task or settings changed, or a run's turn limit)")
+    if reason == "failed":
+        return f"a step failed after {steps}: {ep.error or 'no error recorded'}"
+    if reason == "interrupted":
+        return f"interrupted after {steps}: the process running it stopped (continue or discard it in Traces)"
+    return ""
 
 
 def _short(value: Any, limit: int = 110) -> str:
@@ -67,7 +98,16 @@ def format_branch(b: Branch) -> list[str]:
     return lines
 
 
+def compute_time(s: Step) -> str:
+    """What the step's compute took: "4.2 s", or for a step computed ahead "5.3 s (5.1 s computed ahead while
+    the step before was read, 0.2 s at Step)"."""
+    if not s.ahead_s:
+        return f"{s.duration_s:.1f} s"
+    return (f"{s.compute_s:.1f} s ({s.ahead_s:.1f} s computed ahead while the step before was read, "
+            f"{s.duration_s:.1f} s at Step)")
+
+
 def format_step(s: Step) -> str:
     head = (f" step {s.index} (turn {s.turn + 1}): {len(s.branches)} branch(es), {s.rehearsals} rehearsed, "
-            f"{s.shadow_calls} shadow, {s.duration_s:.1f}s")
+            f"{s.shadow_calls} shadow, {compute_time(s)}")
     return "\n".join([head] + [line for b in s.branches for line in format_branch(b)])

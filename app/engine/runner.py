@@ -33,7 +33,8 @@ from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
 from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
                          parse_action, rehearse_target)
-from app.records import Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
+from app.records import (Branch, Call, EndReason, Episode, MemoryHit, RunSettings, Step, TurnEnd, TurnResult,
+                         utcnow)
 from model_backend.base import (AheadStopped, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
                                 Timings)
 
@@ -91,6 +92,10 @@ class EpisodeRunner:
         response this episode observes is added to it. None: no retrieval, nothing remembered."""
         self.exclude_own_task = exclude_own_task
         """Evaluation: never retrieve this task's transitions from other episodes (`MemoryScope.exclude_task`)."""
+        self._ahead_s = 0.0
+        self._ahead_for: tuple[int, str] | None = None
+        """Seconds `compute_ahead` spent on the next step, and which step: (its index, the task's turns then); a
+        typed user turn in between makes that work another step's (`_ahead_seconds`)."""
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
@@ -106,7 +111,8 @@ class EpisodeRunner:
         runner = cls(task, policy, episode.settings, model=episode.model, adapter=episode.adapter,
                      on_step=on_step, env=env, judge=judge, episode_id=episode.id,
                      rehearser=rehearser, memory=memory)
-        runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None})
+        runner.episode = episode.model_copy(update={"status": "running", "finished_at": None, "error": None,
+                                                    "end_reason": None})
         runner.resume_mismatches = []
         turns, typed = with_typed_turns(task.turns, episode.turn_results)
         if typed:  # the turns a person typed come back from the verdicts that recorded them
@@ -151,7 +157,7 @@ class EpisodeRunner:
         if not self._turn_open and self.turn >= len(self.task.turns):
             # Nothing left to answer: a continued episode whose typed turn was never answered (only
             # judged turns keep their typed message). `add_user_turn` opens a new one.
-            self._finish()
+            self._finish("no_turn_left")
             return None
         if not self._turn_open:
             self._open_turn()
@@ -159,12 +165,15 @@ class EpisodeRunner:
         state_before = self.env.state()
         step = self._decide(state_before)
         step.duration_s = round(time.perf_counter() - started, 3)
+        step.ahead_s = round(self._ahead_seconds(step.index), 3)
         self._remember(step)
         self._count(step)
         self.episode.steps.append(step)
         self._turn_steps += 1
-        if step.kind == "answer" or self._turn_steps >= self.budget:
-            self._close_turn()
+        if step.kind == "answer":
+            self._close_turn("answer")
+        elif self._turn_steps >= self.budget:
+            self._close_turn("step_budget")
         if self.on_step is not None:
             self.on_step(self.episode, step)
         return step
@@ -217,6 +226,7 @@ class EpisodeRunner:
         self.typed_turns[self.turn] = text
         if self.episode.status == "finished":
             self.episode.status, self.episode.finished_at, self.episode.success = "running", None, None
+            self.episode.end_reason = None
         return self.turn
 
     def compute_ahead(self, cancel: threading.Event | None = None) -> bool:
@@ -242,6 +252,8 @@ class EpisodeRunner:
         scratch.timings, scratch.on_step = Timings(), None
         scratch._relevance_cache = dict(self._relevance_cache)
         stop = (cancel or threading.Event()).is_set
+        target = self._ahead_target()
+        started = time.perf_counter()
         try:
             with inner.computing_ahead(stop):
                 if not scratch._turn_open:
@@ -250,15 +262,35 @@ class EpisodeRunner:
         except AheadStopped:
             return False
         finally:
+            # Stopped or not, what it computed is kept for the step (the model call running when it stopped too).
+            if self._ahead_for != target:
+                self._ahead_for, self._ahead_s = target, 0.0
+            self._ahead_s += time.perf_counter() - started
             if hasattr(scratch.env, "close"):
                 scratch.env.close()
         self._relevance_cache.update(scratch._relevance_cache)
         return True
 
+    def _ahead_target(self) -> tuple[int, str]:
+        return len(self.episode.steps), canonical_json(self.task.turns)
+
+    def _ahead_seconds(self, index: int) -> float:
+        """The seconds `compute_ahead` spent on step `index` (0 when none, or when the turns changed since), and
+        start again."""
+        seconds = self._ahead_s if self._ahead_for == (index, canonical_json(self.task.turns)) else 0.0
+        self._ahead_for, self._ahead_s = None, 0.0
+        return seconds
+
     def stop(self) -> None:
+        """End the episode before its end (Stop, Reset, a changed task or settings, a run's turn limit)."""
         if not self.done:
-            self.episode.status = "stopped"
+            self.episode.status, self.episode.end_reason = "stopped", "stopped"
             self.episode.finished_at = utcnow()
+
+    def fail(self, error: str) -> None:
+        """End the episode on a failed step (its complete steps stay): `error` says what failed."""
+        self.episode.status, self.episode.end_reason, self.episode.error = "failed", "failed", error[:500]
+        self.episode.finished_at = utcnow()
 
     # ------------------------------------------------------------ turns
 
@@ -268,21 +300,21 @@ class EpisodeRunner:
         self.history += turn_messages(self.task, self.turn)
         self._turn_open, self._turn_steps, self.turn_executed = True, 0, []
 
-    def _close_turn(self) -> None:
+    def _close_turn(self, ended_by: TurnEnd) -> None:
         check = self.judge.check_turn(self.turn, self.env, self.turn_executed)
         details = dict(check.details)
         if self.turn in self.typed_turns:
             details[TYPED_USER_MESSAGE] = self.typed_turns[self.turn]
         self.episode.turn_results.append(TurnResult(
             turn=self.turn, success=check.success, state_ok=check.state_ok,
-            response_ok=check.response_ok, steps=self._turn_steps, details=details))
+            response_ok=check.response_ok, steps=self._turn_steps, ended_by=ended_by, details=details))
         self._turn_open = False
         self.turn += 1
         if self.turn >= len(self.task.turns):
-            self._finish()
+            self._finish("answered" if ended_by == "answer" else "step_budget")
 
-    def _finish(self) -> None:
-        self.episode.status = "finished"
+    def _finish(self, reason: EndReason) -> None:
+        self.episode.status, self.episode.end_reason = "finished", reason
         results = self.episode.turn_results
         # A whole-episode judge's last verdict covers every turn before it.
         whole = getattr(self.judge, "judges_whole_episode", False)

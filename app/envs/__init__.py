@@ -88,6 +88,23 @@ def make_judge(task: Task) -> ReplayJudge | Tau2Judge | mcp_tasks.MCPJudge:
     return BFCLJudge(task) if _suite(task.id) == "bfcl" else MockJudge(task)
 
 
+def tool_names(task: Task) -> tuple[str, ...]:
+    """The names of the tools a task's agent may call, without starting anything: a BFCL class's documented tools
+    (less the task's excluded ones), a tau2 domain's toolkit, the mock's; for an MCP task (whose tools only its
+    running server lists) the tools its reference solution calls."""
+    suite = _suite(task.id)
+    if suite == "bfcl":
+        from app.envs.bfcl_tasks import class_tools
+
+        excluded = set(task.excluded_functions)
+        return tuple(t.name for c in task.env_classes for t in class_tools(c) if t.name not in excluded)
+    if suite == "tau2":
+        return tuple(t.name for t in tau2_tasks.domain_tools(task.category))
+    if suite == "mcp":
+        return tuple(dict.fromkeys(call.partition("(")[0].strip() for turn in task.ground_truth or [] for call in turn))
+    return tuple(t.name for t in make_mock_env(task).tools())
+
+
 def task_group(spec: str, split: str | None = None) -> list[str] | None:
     """The task ids a group name stands for (`mcp`, `mcp:git`, `tau2`, `tau2:airline`), optionally of
     one split (tau2 only: `train` or `heldout`), or None when `spec` is not a group."""
@@ -123,4 +140,5 @@ __all__ = [
     "parse_call_string",
     "replay_ground_truth",
     "task_group",
+    "tool_names",
 ]

@@ -6,15 +6,19 @@
   `RunSession` (one session's run, saved step by step).
 - `diffing`: where two episodes first committed different actions.
 - `dashboard`: the Dashboard's plotly figures from the store's read queries.
+- `episodes`: stored episodes the Traces tab acts on (what a discard would delete).
+- from the engine's report: why an episode ended (`end_reason_text`), what a step's compute took (`compute_time`).
 
 The UI reaches the engine, environments and models only through this package (tests/test_architecture.py);
 nothing here imports Gradio.
 """
+from app.engine.report import compute_time, end_reason_text
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
+from app.service.episodes import DiscardPlan, discard, plan_discard
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
 from app.service.session import AheadStatus, RunSession, Services
 
-__all__ = ["AheadStatus", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
-           "build_annotation", "first_difference", "parse_number", "parse_settings",
-           "task_turns"]
+__all__ = ["AheadStatus", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
+           "Services", "build_annotation", "compute_time", "discard", "end_reason_text", "first_difference",
+           "parse_number", "parse_settings", "plan_discard", "task_turns"]

@@ -5,6 +5,7 @@ task and its judge, or to an `InputError`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -36,6 +37,20 @@ class TaskInfo:
     category: str
     env_classes: tuple[str, ...]
     first_message: str
+    tools: tuple[str, ...] = ()
+    """The tools its agent may call (`envs.tool_names`)."""
+    user_turns: tuple[str, ...] = ()
+    """Every user message, in order."""
+
+    @functools.cached_property
+    def search_text(self) -> str:
+        """What a task search looks in: id, category, environment classes, tool names, every user message."""
+        return "\n".join((self.id, self.category, *self.env_classes, *self.tools, *self.user_turns)).lower()
+
+    def matches(self, query: str) -> bool:
+        """Every word of `query` appears in `search_text` (case ignored; an empty query matches)."""
+        text = self.search_text
+        return all(word in text for word in query.lower().split())
 
 
 class TaskCatalog:
@@ -53,8 +68,9 @@ class TaskCatalog:
                 for task_id in (envs.list_tasks() + envs.list_tasks(suite="mock") + envs.list_tasks(suite="tau2")
                                 + envs.list_tasks(suite="mcp")):
                     task = envs.load_task(task_id)
-                    first = next((m["content"] for turn in task.turns for m in turn), "")
-                    self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes), first)
+                    said = tuple(m["content"] for turn in task.turns for m in turn)
+                    self._tasks[task_id] = TaskInfo(task_id, task.category, tuple(task.env_classes),
+                                                    said[0] if said else "", envs.tool_names(task), said)
             return self._tasks
 
     @property
@@ -65,9 +81,12 @@ class TaskCatalog:
     def env_classes(self) -> list[str]:
         return sorted({c for t in self.tasks.values() for c in t.env_classes})
 
-    def filter(self, env_class: str | None = None, category: str | None = None) -> list[TaskInfo]:
+    def filter(self, env_class: str | None = None, category: str | None = None, query: str = "") -> list[TaskInfo]:
+        """Tasks of an environment class and a category (None: any) whose `search_text` has every word of `query`
+        (`TaskInfo.matches`)."""
         return [t for t in self.tasks.values()
-                if (not env_class or env_class in t.env_classes) and (not category or t.category == category)]
+                if (not env_class or env_class in t.env_classes) and (not category or t.category == category)
+                and t.matches(query)]
 
     def env_classes_of(self, task_id: str) -> tuple[str, ...]:
         if task_id.startswith(INSTRUCTION_PREFIX):

@@ -465,9 +465,8 @@ class RunSession:
         self.stop_requested.clear()
 
     def _fail(self, services: Services, exc: BaseException) -> None:
-        ep = self.episode
-        ep.status, ep.error = "failed", str(exc)[:500]
-        if ep.steps:
+        self.runner.fail(str(exc))
+        if self.episode.steps:
             self._save(services)
 
     def _save(self, services: Services) -> None:

@@ -40,12 +40,30 @@ at 5 ms (median 0.27; it depends on which core each thread gets), 11-13 at 0.2 m
 of its own speed."""
 
 
+TRANSLATIONS = {"en": {"common.complete": "Complete"}}
+"""Keys Gradio's frontend asks for and none of its locales defines (Gradio 6.31): when an event ends, its status
+announcer (a live region for screen readers) says `i18n("common.complete")`, and without the key it said, and
+page text dumps showed, the raw "common.complete". Other locales fall back to English for it."""
+
+
+class InspectorBlocks(gr.Blocks):
+    """The app's Blocks: whoever launches it (the CLI, the Space, a test) serves `TRANSLATIONS` too."""
+
+    def launch(self, *args: Any, i18n: gr.I18n | None = None, **kwargs: Any) -> Any:
+        if i18n is None:
+            i18n = gr.I18n(**TRANSLATIONS)
+        else:  # the caller's own, with ours where it has none
+            i18n = gr.I18n(**{locale: {**TRANSLATIONS.get(locale, {}), **keys}
+                              for locale, keys in {**TRANSLATIONS, **i18n.translations_dict}.items()})
+        return super().launch(*args, i18n=i18n, **kwargs)
+
+
 def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | None], Any] | None = None,
                mcp: bool = False) -> gr.Blocks:
     """The app. `policy_loader(model, adapter)` replaces model loading (tests inject a scripted policy).
     `mcp`: list only `rehearse` and `propose` as API endpoints (the MCP tools of `serve --mcp`)."""
     services = Services(db_path or default_db_path(), policy_loader)
-    with gr.Blocks(title=C.TITLE, fill_width=True) as demo:
+    with InspectorBlocks(title=C.TITLE, fill_width=True) as demo:
         gr.Markdown(INTRO)
         with gr.Tabs() as tabs:
             with gr.Tab("Run", id="run"):

@@ -18,7 +18,7 @@ from deepdiff import DeepDiff
 
 from app.formats import canonical_json
 from app.records import Branch, Episode, Step
-from app.service import AheadStatus
+from app.service import AheadStatus, compute_time, end_reason_text
 
 PRE_CHARS = 4000
 """Longest JSON shown in a card before it is cut (the full value stays in the store)."""
@@ -261,7 +261,7 @@ def proposals(step: Step) -> str:
 def step_header(step: Step) -> str:
     return (f'<div class="ea-step-head">Step {step.index} · turn {step.turn + 1} · {esc(proposals(step))} · '
             f'{step.rehearsals} rehearsed · {step.shadow_calls} shadow · {step.external_calls} external · '
-            f'{step.duration_s:.1f} s</div>')
+            f'{esc(compute_time(step))}</div>')
 
 
 def branch_cards(step: Step | None, empty: str = "No step yet: press Step.") -> str:
@@ -328,12 +328,14 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
     success = {None: "–", True: "yes", False: "no"}[ep.success]
     turns = ", ".join(f"t{t.turn + 1} {'✓' if t.success else '✗'}" for t in ep.turn_results) or "–"
     status = "in progress" if ep.status == "running" else ep.status  # "running" read as busy after a step
+    ended = end_reason_text(ep)
     return (f"**Episode** {md_code(ep.id)} · task {md_code(ep.task_id)} · **{status}**, {len(ep.steps)} step(s) · "
             f"external calls {ep.external_calls} · shadow {ep.shadow_calls} · rehearsals {ep.rehearsals} · "
             f"turns {turns} · success {success}  \n"
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
-            f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}" + (f"  \n{note}" if note else ""))
+            f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}"
+            + (f"  \n**Ended:** {md_text(ended)}" if ended else "") + (f"  \n{note}" if note else ""))
 
 
 def ahead_line(status: AheadStatus) -> str:

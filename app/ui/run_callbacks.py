@@ -10,7 +10,8 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from app.service import InputError, RunRequest, RunSession, Services, parse_settings, task_turns
+from app.service import (InputError, RunRequest, RunSession, Services, end_reason_text, parse_settings,
+                         task_turns)
 from app.ui import constants as C
 from app.ui import render
 
@@ -116,13 +117,12 @@ class RunCallbacks:
                 yield (message_html("Working… the model runs on this machine's CPU."), *(gr.skip(),) * 5)
                 if scope == "step":
                     step = session.step(self.services, request, report)
-                    note = "" if step else "This episode is over: press Reset (or change the task) to start a new one."
-                    yield self.view(session, message_html(note))
+                    yield self.view(session, message_html("" if step else self.over(session)))
                 else:
                     for _ in session.iterate(self.services, request, scope, report):
                         yield self.view(session)
                     if session.episode and len(session.episode.steps) == done_before and session.runner.done:
-                        yield self.view(session, message_html("This episode is over: press Reset to start a new one."))
+                        yield self.view(session, message_html(self.over(session)))
                     else:
                         yield self.view(session)
         except InputError as exc:
@@ -130,6 +130,13 @@ class RunCallbacks:
             yield self.view(session, message_html(str(exc), "error"))
             return
         session.compute_ahead(self.services)  # runs once the last view is on its way to the page
+
+    @staticmethod
+    def over(session: RunSession) -> str:
+        """Step pressed on an episode that has ended: why it ended, and what to do."""
+        why = end_reason_text(session.episode) if session.episode else ""
+        return (f"This episode is over{f' ({why})' if why else ''}: press Reset (or change the task) "
+                "to start a new one.")
 
     def say(self, session: RunSession, text: str, **form: Any) -> tuple:
         """The person types the next user message; Step then lets the agent answer it."""
@@ -200,17 +207,18 @@ class RunCallbacks:
             return  # Step will say what is wrong with the form
         session.prepare(self.services, request)
 
-    def task_choices(self, env_class: str, category: str) -> list[tuple[str, str]]:
+    def task_choices(self, env_class: str, category: str, query: str = "") -> list[tuple[str, str]]:
         infos = self.services.catalog.filter(None if env_class == C.ALL else env_class,
-                                             None if category == C.ALL else category)
+                                             None if category == C.ALL else category, query or "")
         return [(f"{t.id} · {render.short(t.first_message, 70)}", t.id) for t in infos]
 
-    def filter_tasks(self, env_class: str, category: str, current: str | None) -> Any:
-        choices = self.task_choices(env_class, category)
+    def filter_tasks(self, env_class: str, category: str, query: str, current: str | None) -> Any:
+        """The Task list under the filters and the search words (`TaskCatalog.filter`)."""
+        choices = self.task_choices(env_class, category, query)
         ids = [value for _, value in choices]
         value = current if current in ids else (ids[0] if ids else None)
-        return gr.Dropdown(choices=choices, value=value,
-                           info=f"{len(ids)} task(s) match; type to search ids and first messages")
+        found = f"{len(ids)} task(s) match" if ids else "no task matches: try fewer or other words"
+        return gr.Dropdown(choices=choices, value=value, info=f"{found}; {C.TASK_LIST_INFO}")
 
     @staticmethod
     def toggle_source(source: str) -> tuple[Any, Any]:

@@ -27,9 +27,12 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                                          label="Filter: environment class")
                 category_filter = gr.Dropdown([C.ALL] + services.catalog.categories, value=C.ALL,
                                               label="Filter: category")
+                task_search = gr.Textbox(label="Search tasks", elem_id=C.ID_TASK_SEARCH, max_lines=1,
+                                         placeholder="e.g. twitter, post_tweet, airline",
+                                         info="ids, environments, tool names and every user turn")
                 task = gr.Dropdown(cb.task_choices(C.ALL, C.ALL), value=C.DEFAULT_TASK, filterable=True,
                                    allow_custom_value=True,  # unknown ids get our message, not a list of 800
-                                   label="Task", info="type to search ids and first messages",
+                                   label="Task", info=C.TASK_LIST_INFO,
                                    elem_classes=[C.CLASS_FULL_ON_HOVER])
             with gr.Group(visible=False) as instruction_group:
                 instruction_env = gr.Dropdown(list(ENV_CLASSES), value=C.DEFAULT_INSTRUCTION_ENV,
@@ -125,8 +128,14 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     ahead_timer.tick(cb.ahead_line, [session], ahead, queue=False, show_progress="hidden", api_visibility="private")
 
     source.change(cb.toggle_source, source, [task_group, instruction_group], api_visibility="private")
-    env_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_name="filter_tasks")
-    category_filter.input(cb.filter_tasks, [env_filter, category_filter, task], task, api_visibility="private")
+    narrowing = [env_filter, category_filter, task_search, task]
+    env_filter.input(cb.filter_tasks, narrowing, task, api_name="filter_tasks")
+    for trigger in (category_filter.input, task_search.submit):
+        trigger(cb.filter_tasks, narrowing, task, api_visibility="private")
+    # As the person types or deletes, the last value's list wins (a lookup in memory: outside the queue). `change`:
+    # Gradio's `input` missed deletions (Backspace) and pasted text.
+    task_search.change(cb.filter_tasks, narrowing, task, api_visibility="private", trigger_mode="always_last",
+                      queue=False, show_progress="hidden")
     for trigger in (task.change, source.change, instruction.blur):
         trigger(cb.preview, [session], [message, chat], inputs_kwargs=form, api_visibility="private")
     return {"session": session, "chat": chat, "adapter": adapter, "form": form, "outputs": outputs,

@@ -8,7 +8,8 @@ from typing import Any
 
 import gradio as gr
 
-from app.service import INSTRUCTION_PREFIX, InputError, Services, first_difference, task_turns
+from app.service import (INSTRUCTION_PREFIX, DiscardPlan, InputError, Services, discard, first_difference,
+                         plan_discard, task_turns)
 from app.records import Episode
 from app.store import StoreError
 from app.trace_io import TraceFileError, export_episodes, import_records, read_trace_file
@@ -112,20 +113,29 @@ class TracesCallbacks:
         return (message_html(f"Episode {ep.id} continues in the Run tab."),
                 *[values.get(name, gr.skip()) for name in form_names], *view, gr.Tabs(selected="run"))
 
-    def discard_episode(self, episode_id: str | None) -> str:
-        """Delete an episode that did not finish (interrupted, stopped or failed), with its annotations."""
+    def ask_discard(self, episode_id: str | None) -> tuple[str, Any, Any, str]:
+        """Discard pressed: what it would delete, asked in the confirmation box (nothing is deleted yet).
+        (message, the plan awaiting confirmation, the box, its question)."""
         try:
-            ep = self._load(episode_id)
+            plan = plan_discard(self.services.store, episode_id)
         except InputError as exc:
-            return message_html(str(exc), "error")
-        if ep.status in ("running", "finished"):
-            return message_html(f"Episode {ep.id} is {ep.status}: only an interrupted, stopped or failed "
-                                "episode can be discarded.", "error")
+            return message_html(str(exc), "error"), None, gr.Group(visible=False), ""
+        return "", plan, gr.Group(visible=True), render.md_text(plan.question())
+
+    def discard_episode(self, plan: DiscardPlan | None) -> tuple[str, None, Any]:
+        """The person confirmed: delete the episode the question named (message, no plan, the box hidden)."""
+        if plan is None:
+            return message_html("Nothing to discard: press Discard first.", "error"), None, gr.Group(visible=False)
         try:
-            self.services.store.delete_episode(ep.id)
-        except StoreError as exc:
-            return message_html(f"Nothing was deleted: {exc}", "error")
-        return message_html(f"Episode {ep.id} ({ep.status}, {len(ep.steps)} step(s)) discarded.")
+            text = discard(self.services.store, plan)
+        except InputError as exc:
+            return message_html(str(exc), "error"), None, gr.Group(visible=False)
+        return message_html(text), None, gr.Group(visible=False)
+
+    @staticmethod
+    def keep_episode(plan: DiscardPlan | None) -> tuple[str, None, Any]:
+        text = f"Episode {plan.episode_id} kept: nothing was deleted." if plan else ""
+        return message_html(text), None, gr.Group(visible=False)
 
     def compare(self, a_id: str | None, b_id: str | None) -> str:
         try:

@@ -26,7 +26,7 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
         since = gr.Textbox(label="From (YYYY-MM-DD)")
         until = gr.Textbox(label="To (YYYY-MM-DD)")
     refresh = gr.Button("Search episodes", variant="primary")
-    message = gr.HTML("", css_template=VIEW_CSS)
+    message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_TRACES_MESSAGE)
     table = gr.Dataframe(headers=render.EPISODE_COLUMNS, value=[], interactive=False, wrap=True,
                          label="Episodes (newest first)", max_height=320,
                          elem_id=C.ID_TRACES_TABLE)
@@ -36,6 +36,14 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
             open_btn = gr.Button("Open", scale=1)
             continue_btn = gr.Button(C.CONTINUE, scale=1)
             discard_btn = gr.Button(C.DISCARD, scale=1, variant="stop")
+        # Discard asks first, naming what it would delete (`ask_discard`); only "Delete it" deletes.
+        pending_discard = gr.State(None)
+        listed_note = gr.State("")  # the relisting after a delete keeps the "discarded" message in view
+        with gr.Group(visible=False) as confirm_box:
+            confirm_text = gr.Markdown(elem_id=C.ID_DISCARD_CONFIRM)
+            with gr.Row():
+                confirm_btn = gr.Button(C.DISCARD_CONFIRM, variant="stop")
+                keep_btn = gr.Button(C.DISCARD_CANCEL)
         status = gr.Markdown(elem_id=C.ID_TRACES_STATUS)
         step_picker = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False)
         with gr.Row(equal_height=False):
@@ -75,8 +83,15 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
     continue_btn.click(lambda episode, session: cb.continue_episode(episode, session, names),
                        [episode_id, run["session"]], [message, *run["form"].values(), *run["outputs"], tabs],
                        api_visibility="private")
-    discard_btn.click(cb.discard_episode, episode_id, message, api_visibility="private").then(
-        cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
+    discard_btn.click(cb.ask_discard, episode_id, [message, pending_discard, confirm_box, confirm_text],
+                      api_visibility="private")
+    keep_btn.click(cb.keep_episode, pending_discard, [message, pending_discard, confirm_box], api_visibility="private")
+    confirm_btn.click(cb.discard_episode, pending_discard, [message, pending_discard, confirm_box],
+                      api_visibility="private").then(
+        cb.list_episodes, filters, [table, listed_note, episode_id], api_visibility="private")
+    # Another episode picked: the question about the last one is withdrawn.
+    episode_id.input(lambda: (None, gr.Group(visible=False)), None, [pending_discard, confirm_box],
+                     api_visibility="private")
     step_picker.change(cb.show_step, [opened, step_picker], [chat, cards, state_view], api_name="replay_step")
     compare_btn.click(cb.compare, [left, right], comparison, api_name="compare_episodes")
     import_btn.click(cb.import_file, [upload, skip_existing], io_message, api_name="import_episodes").then(
