@@ -1,5 +1,7 @@
 """The inspector's service layer: what the UI asks of the engine and the store, without Gradio.
 
+- `annotations`: saving an annotation (a corrected action checked against the step's tools, a corrected
+  response into the rehearsal memory at once) and the fine-tune's episode picker.
 - `forms`: form fields -> `RunSettings` / `Annotation`, or an `InputError` saying what to fix.
 - `catalog`: the task catalog, typed instructions, the Run tab's `RunRequest`, adapters on disk.
 - `session`: `Services` (shared by every browser session: store, catalog, policy cache) and
@@ -10,11 +12,13 @@
 The UI reaches the engine, environments and models only through this package (tests/test_architecture.py);
 nothing here imports Gradio.
 """
+from app.service.annotations import SavedAnnotation, annotated_episode_choices, save_annotation
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
 from app.service.session import AheadStatus, RunSession, Services
 
-__all__ = ["AheadStatus", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "Services",
+__all__ = ["AheadStatus", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession", "SavedAnnotation", "Services",
+           "annotated_episode_choices", "save_annotation",
            "build_annotation", "first_difference", "parse_number", "parse_settings",
            "task_turns"]

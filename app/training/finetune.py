@@ -21,8 +21,7 @@ from app import envs
 from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
 from app.records import Annotation, utcnow
 from app.store import Store
-from app.training.rows import (CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action,
-                               parse_corrected_value)
+from app.training.rows import CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +115,12 @@ def select_corrections(store: Store, episodes: list[str] | None = None, annotate
     out = []
     for row in latest.values():
         try:
-            predicted = json.loads(row["corrected_predicted"]) if row["corrected_predicted"] is not None else None
+            ann = Store.annotation_from_row(row)
         except json.JSONDecodeError:
             raise FinetuneError(f"annotation {row['aid']}: the stored corrected response is not valid JSON") from None
-        ann = Annotation(branch_id=row["branch_id"], label=row["label"], corrected_action=row["corrected_action"],
-                         corrected_predicted=predicted, note=row["note"] or "", annotator=row["annotator"] or "")
-        corrected = bool((ann.corrected_action or "").strip()) or ann.corrected_predicted is not None
-        if not corrected and not annotated:
+        if not ann.corrected and not annotated:
             continue
         try:
-            if ann.corrected_predicted is not None:
-                parse_corrected_value(ann, row["aid"])
             if (ann.corrected_action or "").strip():
                 parse_corrected_action(ann, row["aid"])
         except CorrectionError as exc:
@@ -140,8 +134,17 @@ def select_corrections(store: Store, episodes: list[str] | None = None, annotate
     return out
 
 
-def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> list[Any]:
-    """Training rows for the selected branches, episode by episode."""
+def build_rows(store: Store, selected: list[Selected], ctx: PromptContext, notes: list[str] | None = None) -> list[Any]:
+    """Training rows for the selected branches, episode by episode.
+
+    Benchmark episodes, typed instructions and imported episodes alike: each prompt is rebuilt from the episode's
+    stored history (`episode_task`). What really cannot become a row (an episode whose task cannot be rebuilt, a
+    plain answer where the episode forced tool calls) is left out with a line in `notes` (logged when None) and
+    the rest is built."""
+    from app.service.catalog import episode_task, task_env
+
+    notes = [] if notes is None else notes
+    start = len(notes)
     rows: list[Any] = []
     by_episode: dict[str, list[Selected]] = {}
     for s in selected:
@@ -149,24 +152,33 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> li
     for episode_id, items in by_episode.items():
         episode = store.get_episode(episode_id)
         try:
-            task = envs.load_task(episode.task_id)
-        except envs.UnknownTaskError:
-            raise FinetuneError(f"episode {episode_id} ran {episode.task_id!r}, not a benchmark task: its prompts "
-                                "cannot be rebuilt for training; leave it out (choose episodes)") from None
+            task = episode_task(episode)
+            env = task_env(task)
+        except ValueError as exc:
+            ids = ", ".join(str(s.annotation_id) for s in items)
+            notes.append(f"episode {episode_id} ({episode.task_id}): its prompts cannot be rebuilt ({exc}); "
+                         f"annotation(s) {ids} left out")
+            continue
         corrections = {}
         for s in items:
             ann = s.annotation
-            if not (ann.corrected_action or "").strip() and ann.corrected_predicted is None:
+            if not ann.corrected:
                 # Annotated without a correction: the real response is the Rehearse target.
                 _, branch = store.get_branch(s.branch_id)
                 if branch.actual_source is None or branch.call is None:
                     continue
-                ann = ann.model_copy(update={"corrected_predicted": branch.actual})
+                ann = ann.model_copy(update={"corrected_predicted": branch.actual, "corrected_predicted_set": True})
             corrections[(s.step_idx, s.branch_idx)] = (s.annotation_id, ann)
         try:
-            rows += correction_rows(episode, task, corrections, ctx)
+            rows += correction_rows(episode, task, corrections, ctx, env=env, notes=notes)
         except CorrectionError as exc:
             raise FinetuneError(str(exc)) from None
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
+    for note in notes[start:]:
+        log.warning("left out of training: %s", note)
     return rows
 
 
@@ -263,9 +275,11 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     tok = loaded.tokenizer
     ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
                         int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
-    rows = build_rows(store, selected, ctx)
+    notes: list[str] = []
+    rows = build_rows(store, selected, ctx, notes)
     if not rows:
-        raise FinetuneError("the selected branches give no training rows (no call or real response to learn from)")
+        raise FinetuneError("the selected branches give no training rows "
+                            + (f"({notes[0]})" if notes else "(no call or real response to learn from)"))
     config = TrainConfig(steps=req.steps, lr=req.lr, rank=req.rank, seed=req.seed, warmup_steps=min(5, req.steps),
                          max_seq_len=None, pack_len=None)  # type: ignore[arg-type]
     encoded, dropped = encode_rows(tok, rows)
@@ -285,7 +299,8 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     parent_id = _registry_id(store, req.parent)
     data = {"db": store.path, "annotations": [s.annotation_id for s in selected],
             "branches": [s.branch_id for s in selected], "episodes": sorted({s.episode_id for s in selected}),
-            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)}}
+            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)},
+            "left_out": notes}
     metrics = {"before": before, "after": after, "train": result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
     if held:
         metrics["heldout"] = {"rows": [r.ref for r in held], "before": held_before, "after": held_after}

@@ -105,13 +105,15 @@ class PlannedBranch:
     def correction(self) -> str:
         ann = self.selected.annotation
         parts = (["action"] if (ann.corrected_action or "").strip() else []) + \
-                (["response"] if ann.corrected_predicted is not None else [])
+                (["response"] if ann.corrected_predicted_set else [])
         return " + ".join(parts) or "real response"
 
 
 @dataclass
 class Plan:
     branches: list[PlannedBranch] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    """What cannot become a row and is left out (the rest trains), one line each."""
 
     @property
     def act_rows(self) -> int:
@@ -129,7 +131,8 @@ def plan(store: Store, episodes: list[str] | None, annotated: bool) -> Plan:
     instead of the model's tokenizer: so no model loads, and a bad correction fails here.
     """
     selected = select_corrections(store, episodes or None, annotated)
-    rows = build_rows(store, selected, PromptContext(lambda text: len(text) // 4 + 1, PREVIEW_CONTEXT))
+    notes: list[str] = []
+    rows = build_rows(store, selected, PromptContext(lambda text: len(text) // 4 + 1, PREVIEW_CONTEXT), notes)
     by_annotation = {s.annotation_id: PlannedBranch(s) for s in selected}
     for row in rows:
         planned = by_annotation[int(row.ref.rsplit("#annotation", 1)[1])]
@@ -137,7 +140,7 @@ def plan(store: Store, episodes: list[str] | None, annotated: bool) -> Plan:
             planned.act_rows += 1
         else:
             planned.rehearse_rows += 1
-    return Plan(list(by_annotation.values()))
+    return Plan(list(by_annotation.values()), notes)
 
 
 # ---------------------------------------------------------------- the job

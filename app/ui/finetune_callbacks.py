@@ -16,7 +16,7 @@ from app.training import figures
 from app.training import service
 from app.config import shipped_adapter
 from app.training.finetune import FinetuneError, FinetuneResult, validate_request
-from app.service import InputError, Services
+from app.service import InputError, Services, annotated_episode_choices
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render
@@ -52,7 +52,7 @@ class FinetuneCallbacks:
 
     def refresh(self) -> tuple[Any, Any]:
         """Episodes with annotations, and the parents (a fine-tune in another session may have added one)."""
-        return (gr.Dropdown(choices=self.services.store.annotated_episodes()),
+        return (gr.Dropdown(choices=annotated_episode_choices(self.services.store)),
                 gr.Dropdown(choices=self.parent_choices()))
 
     # ------------------------------------------------------------ data
@@ -140,6 +140,10 @@ class FinetuneCallbacks:
 
 def plan_summary(plan: service.Plan) -> str:
     n = len(plan.branches)
-    return (f"**{n} branch{'es' if n != 1 else ''}** → {plan.act_rows} Act row(s) and "
+    text = (f"**{n} branch{'es' if n != 1 else ''}** → {plan.act_rows} Act row(s) and "
             f"{plan.rehearse_rows} Rehearse row(s) (episodes: "
             f"{render.short(', '.join(sorted({b.selected.episode_id for b in plan.branches})), 120)}).")
+    if plan.left_out:  # the rest trains; say what does not, as literal text
+        text += f"\n\n**Left out** ({len(plan.left_out)}): " + "; ".join(render.md_text(n) for n in plan.left_out[:5]) \
+            + (f"; and {len(plan.left_out) - 5} more" if len(plan.left_out) > 5 else "")
+    return text

@@ -8,7 +8,7 @@ import gradio as gr
 from app.training import figures
 from app.training.finetune import MAX_HELDOUT_ROWS
 from app.training.service import ADAPTER_ROOT, default_name
-from app.service import Services
+from app.service import Services, annotated_episode_choices
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
 from app.ui.finetune_callbacks import PREVIEW_COLUMNS, FinetuneCallbacks
@@ -22,7 +22,7 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             gr.Markdown("**Training data**: annotated branches with a correction (Annotate tab).")
-            episodes = gr.Dropdown(services.store.annotated_episodes(), value=[], multiselect=True,
+            episodes = gr.Dropdown(annotated_episode_choices(services.store), value=[], multiselect=True,
                                    label="Episodes", info="empty: every episode with annotations")
             annotated = gr.Checkbox(False, label="Also annotated branches without a correction (real response)")
             preview = gr.Button(C.FT_PREVIEW, size="sm")
