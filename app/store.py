@@ -517,6 +517,17 @@ class Store:
         sql = "select distinct call_name from branches where call_name is not null order by call_name"
         return self._guard(lambda: [r["call_name"] for r in self.db.query(sql)])
 
+    def branch_id_at(self, episode_id: str, step: int, branch: int | None = None) -> int:
+        """The row id of a branch by position (`branch` None: the step's committed one)."""
+        sql = ("select b.id from branches b join steps s on s.id = b.step_id where b.episode_id = ? and b.step_idx = ? "
+               + ("and b.idx = ?" if branch is not None else "and b.idx = s.chosen"))
+        params = [episode_id, step] + ([branch] if branch is not None else [])
+        rows = self._guard(lambda: [r["id"] for r in self.db.query(sql, params)])
+        if not rows:
+            where = f"branch {branch} of step {step}" if branch is not None else f"step {step}"
+            raise StoreError(f"episode {episode_id} has no {where}")
+        return int(rows[0])
+
     def get_branch(self, branch_id: int) -> tuple[dict[str, Any], Branch]:
         """One branch by its row id: its row (with the episode's task and mode, and its step's
         `state_before`, decoded, for the fork's diff) and the record."""
