@@ -143,7 +143,7 @@ def test_preview_lists_the_corrected_branches_and_their_rows(tab) -> None:
     assert message == ""
     assert [(r[1], r[6], r[7], r[8]) for r in rows] == [(ids[0], "response", 0, 1), (ids[1], "action", 1, 0)]
     assert "**2 branches** → 1 Act row(s) and 1 Rehearse row(s)" in summary and episode.id in summary
-    assert cb.refresh()[0].choices == [(episode.id, episode.id)]
+    assert cb.refresh()[0].choices == [(f"mock:kv · {episode.id} (2 annotations)", episode.id)]
 
 
 def test_preview_without_corrections_says_what_to_do(tab) -> None:
@@ -201,12 +201,14 @@ def test_nothing_selected_and_invalid_stored_json(tab, monkeypatch) -> None:
     assert "not valid JSON" in cb.preview([], False)[0] and counts(cb) == (0, 0)
 
 
-def test_an_episode_of_a_typed_instruction_cannot_be_trained_on(tab) -> None:
+def test_an_episode_whose_prompts_cannot_be_rebuilt_is_left_out_with_a_note(tab) -> None:
+    """A typed instruction whose text was never recorded (typed instructions that were trains: test_corrections)."""
     cb, episode = tab
     correct_two(cb, episode.id)
     cb.services.store.db["episodes"].update(episode.id, {"task_id": "instruction:GorillaFileSystem"})
-    message, _, rows = cb.preview([], False)
-    assert "not a benchmark task" in message and "leave it out" in message and rows == []
+    message, summary, rows = cb.preview([], False)
+    assert message == "" and [(r[7], r[8]) for r in rows] == [(0, 0), (0, 0)]
+    assert "**Left out** (1)" in summary and "text was never recorded" in summary and episode.id in summary
 
 
 def test_an_existing_adapter_directory_is_refused(tab, monkeypatch) -> None:
