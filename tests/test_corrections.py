@@ -114,6 +114,8 @@ def test_the_annotate_tab_saves_null_from_the_actual_response(tmp_path: Path) ->
     (row,) = services.store.annotations()
     assert row["corrected_predicted"] is None and row["corrected_predicted_set"] == 1
     assert services.store.annotation_records(row["branch_id"])[0].corrected
+    existing = cb.prev(queue)[3]  # the branch's earlier annotations show the null, not nothing
+    assert "corrected response" in existing and "null" in existing
 
 
 # ---------------------------------------------------------------- malformed: a clear line, nothing saved
@@ -230,7 +232,7 @@ def test_the_cli_annotates_and_exports_a_null_correction(kv, tmp_path: Path, cap
     base = ["annotate", "--db", db, "--episode", ep.id, "--annotator", "cli"]
     assert main([*base, "--step", "1", "--action", "mkdir notes"]) == 2
     err = capsys.readouterr().err
-    assert "not a tool call" in err and "Nothing was saved" in err and err.count("\n") == 1
+    assert "not a tool call" in err and "pass --answer" in err and "Nothing was saved" in err and err.count("\n") == 1
     assert store.annotations() == []
     assert main([*base, "--step", "1", "--label", "major", "--response", "null"]) == 0
     assert "joined the rehearsal memory" in capsys.readouterr().out
@@ -315,4 +317,4 @@ def test_a_saved_correction_is_retrieved_by_the_next_rehearsal_of_that_call(tmp_
     prompt = policy.rehearse_calls[1][0].messages[-1]["content"]
     assert '"navy"' in prompt  # the rehearsal was conditioned on it
     card = render.memory_provenance(branch)
-    assert "correction" in card and "exact call" in card and "navy" in card
+    assert "1 of them an annotator's correction" in card and "exact call" in card and "navy" in card

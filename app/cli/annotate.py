@@ -48,7 +48,8 @@ def cmd_annotate(args: argparse.Namespace) -> int:
         result = save_annotation(store, branch_id, args.label, args.response or "", args.action or "", args.note,
                                  args.annotator, answer=args.answer, remember=store.add_transitions)
     except (InputError, StoreError) as exc:
-        raise UserError(f"{exc} Nothing was saved.") from None
+        said = str(exc).replace('tick "plain answer"', "pass --answer")  # the tab's wording, in the CLI's terms
+        raise UserError(f"{said} Nothing was saved.") from None
     line = f"saved annotation {result.id} on branch {branch_id} (episode {args.episode}, step {args.step})"
     if result.remembered is not None:
         line += f"; its corrected response of {result.remembered.tool} joined the rehearsal memory"

@@ -65,7 +65,7 @@ class AnnotateCallbacks:
         # Names, notes and corrections come from other people (and imported files): literal text only.
         lines = [f"- {render.md_text(a.created_at[:19])} · **{render.md_text(a.label or '(no label)')}** "
                  f"by {render.md_text(a.annotator)}"
-                 + (f" · corrected response {render.md_code(json.dumps(a.corrected_predicted, ensure_ascii=False)[:80])}"
+                 + (f" · corrected response {render.md_code(render.short(json.dumps(a.corrected_predicted, ensure_ascii=False), 80))}"
                     if a.corrected_predicted_set else "")
                  + (f" · corrected {'answer' if a.corrected_action_kind == 'answer' else 'action'} "
                     f"{render.md_code(render.short(a.corrected_action, 80))}" if a.corrected_action else "")
