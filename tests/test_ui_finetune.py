@@ -130,7 +130,7 @@ def test_preview_and_finetune_through_the_server(tmp_path: Path, monkeypatch) ->
         demo.close()
     new = str((tmp_path / "adapters" / "via-api").resolve())
     assert "registered" in message and json.loads(loss["plot"])["data"][0]["y"] == [2.0, 1.4, 0.9]
-    assert rows["data"][0][:2] == ["corrected", "Rehearse NLL"] and [new, new] in run_adapter["choices"]
+    assert rows["data"][0][:2] == ["trained on (the corrections)", "Rehearse NLL"] and [new, new] in run_adapter["choices"]
 
 
 # ---- the data preview ------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_run_streams_the_loss_then_shows_before_after_and_new_choices(tab, monke
     assert "Measuring after and saving" in views[3][1]
     message, status, _, rows, figure, parent, name, run_adapter = views[-1]
     assert "registered" in message and "Run tab" in message and "loss 2.0 → 0.9" in status
-    assert ["corrected", "Rehearse NLL", 1.5, 0.5, "-1.0000 (better)"] in rows
+    assert ["trained on (the corrections)", "Rehearse NLL", 1.5, 0.5, "-1.0000 (better)"] in rows
     assert ["held-out (2 rows)", "Rehearse NLL", 0.3, 0.35, "+0.0500 (worse)"] in rows
     assert {t.name for t in figure.data} == {"before", "after"}
     new = str(req.out.resolve())
@@ -295,6 +295,6 @@ def test_real_finetune_through_the_tab(tab) -> None:
     assert row["path"] == out and row["parent"] is None and json.loads(row["data"])["rows"] == {"act": 0, "rehearse": 2}
     assert out in choice_values(run_adapter) and out in choice_values(parent)
     measured = {(r[0].split(" ")[0], r[1]) for r in rows}
-    assert {("corrected", "Rehearse NLL"), ("corrected", "Rehearse exact"), ("held-out", "Rehearse NLL"),
+    assert {("trained", "Rehearse NLL"), ("trained", "Rehearse exact"), ("held-out", "Rehearse NLL"),
             ("held-out", "Act agreement")} <= measured
     assert all(isinstance(r[2], float) and isinstance(r[3], float) for r in rows)
