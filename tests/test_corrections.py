@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,8 +24,11 @@ from app.service.forms import InputError
 from app.store import Recorder, Store
 from app.trace_io import TraceFileError, export_episodes, import_records, parse_traces
 from app.training import service as training_service
-from app.training.finetune import build_rows, select_corrections
-from app.training.rows import PromptContext
+from app.formats import canonical_call
+from app.training.figures import comparison_rows
+from app.training.finetune import (CORRECTED, OTHERS, FinetuneError, FinetuneRequest, build_rows, select_corrections,
+                                   summarize_unseen, trained_calls, unseen_probe, validate_request, wilson)
+from app.training.rows import PromptContext, expert_episode
 from app.ui import render
 from app.ui.annotate_callbacks import AnnotateCallbacks, ReviewQueue
 from scripted import ScriptedPolicy
@@ -318,3 +322,53 @@ def test_a_saved_correction_is_retrieved_by_the_next_rehearsal_of_that_call(tmp_
     assert '"navy"' in prompt  # the rehearsal was conditioned on it
     card = render.memory_provenance(branch)
     assert "1 of them an annotator's correction" in card and "exact call" in card and "navy" in card
+
+
+# ---------------------------------------------------------------- part 2: before/after on calls never trained on
+
+
+def test_the_unseen_probe_holds_no_trained_call_and_splits_by_tool() -> None:
+    counting = PromptContext(lambda text: len(text) // 4 + 1, 32768)
+    first = unseen_probe(counting, {"cd", "mkdir"}, set(), 40, seed=0)
+    assert first[CORRECTED] and all(tool in {"cd", "mkdir"} for tool, _ in first[CORRECTED])
+    assert len(first[OTHERS]) == 40 and all(tool not in {"cd", "mkdir"} for tool, _ in first[OTHERS])
+    assert all(row.role == "rehearse" and row.source == "expert" for _, row in first[CORRECTED] + first[OTHERS])
+    again = unseen_probe(counting, {"cd", "mkdir"}, set(), 40, seed=0)
+    assert [r.ref for _, r in again[OTHERS]] == [r.ref for _, r in first[OTHERS]]  # a fixed sample
+    # A call the fine-tune trained on is not unseen: trained, it leaves the probe.
+    trained_ref = first[CORRECTED][0][1].ref
+    episode = expert_episode(envs.load_task(trained_ref.split("/")[0].removeprefix("expert-")))
+    trained = canonical_call(episode.steps[int(trained_ref.split("/")[1])].branches[0].call)
+    without = unseen_probe(counting, {"cd", "mkdir"}, {trained}, 40, seed=0)
+    assert trained_ref not in {r.ref for _, r in without[CORRECTED]}
+    assert len(without[CORRECTED]) == len(first[CORRECTED]) - 1
+
+
+def test_trained_calls_are_the_corrected_branches_calls(kv) -> None:
+    store, _, ep = kv
+    ids = branch_ids(store, ep.id)
+    save_annotation(store, ids[1], "major", "null", "", "", "tester")
+    save_annotation(store, ids[0], "major", "", call("delete", key="size"), "", "tester")
+    tools, calls = trained_calls(store, select_corrections(store))
+    assert tools == {"get", "delete"}
+    assert calls == {canonical_call(Call(name="get", arguments={"key": "color"})),
+                     canonical_call(Call(name="delete", arguments={"key": "size"}))}
+
+
+def test_the_verdict_names_each_corrected_tool_and_the_others_with_an_interval() -> None:
+    # The summary reads only each row's ref.
+    probe = {CORRECTED: [("cd", SimpleNamespace(ref="a")), ("cd", SimpleNamespace(ref="b"))],
+             OTHERS: [("ls", SimpleNamespace(ref="c")), ("cat", SimpleNamespace(ref="d"))]}
+    before = {CORRECTED: [(False, 1.0), (True, 0.5)], OTHERS: [(True, 0.2), (False, 0.4)]}
+    after = {CORRECTED: [(True, 0.3), (True, 0.1)], OTHERS: [(False, 0.3), (True, 0.3)]}
+    summary = summarize_unseen(probe, before, after)
+    assert summary["by_tool"]["cd"]["n"] == 2 and summary["by_tool"]["cd"]["after"]["rehearse_nll"] == 0.2
+    assert summary["verdict"] == ("Rehearse exact, cd: 0.50 -> 1.00 on 2 unseen calls; "
+                                  "other tools 0.50 -> 0.50 on 2 (after: 95% CI 0.09-0.91)")
+    assert wilson(0, 10) == (0.0, 0.2775)
+    labels = [r[0] for r in comparison_rows({"before": {"rehearse_nll": 1.0}, "after": {"rehearse_nll": 0.5},
+                                             "unseen": summary})]
+    assert labels[0] == "trained on (the corrections)"
+    assert {"unseen cd calls (n=2)", "unseen other tools (n=2)"} <= set(labels)
+    with pytest.raises(FinetuneError, match="unseen calls must be between 0 and 200"):
+        validate_request(FinetuneRequest(out=Path("/nonexistent/new"), unseen_rows=500))
