@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 Mode = Literal["none", "parallel", "sequential"]
 Selector = Literal["judge", "logprob", "memory", "oracle"]
@@ -276,13 +276,37 @@ class Episode(BaseModel):
         return RunSettings.from_stored(value) if isinstance(value, dict) else value
 
 
+CorrectedActionKind = Literal["call", "answer"]
+
+
 class Annotation(BaseModel):
     """A person's judgement of one branch."""
 
     branch_id: int
     label: Label | None = None
     corrected_action: str | None = None
+    corrected_action_kind: CorrectedActionKind | None = None
+    """What the corrected action is: a tool call (checked against the step's tools when saved) or a plain-text
+    answer the person marked as such. None: no corrected action, or one saved before the kind was recorded (read
+    by parsing it)."""
     corrected_predicted: Any = None
+    corrected_predicted_set: bool = False
+    """The corrected response is set: `corrected_predicted` is the correction, `null`, `""`, `0` and `false`
+    included. False: no corrected response (whatever `corrected_predicted` holds)."""
     note: str = ""
     annotator: str = ""
     created_at: str = Field(default_factory=utcnow)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_flags(cls, values: Any) -> Any:
+        # Written before the flag existed (or a store's NULL column): a non-null value was a correction, a null
+        # one was none.
+        if isinstance(values, dict) and values.get("corrected_predicted_set") is None:
+            values = {**values, "corrected_predicted_set": values.get("corrected_predicted") is not None}
+        return values
+
+    @property
+    def corrected(self) -> bool:
+        """It corrects something: a corrected response (null included) or a non-empty corrected action."""
+        return self.corrected_predicted_set or bool((self.corrected_action or "").strip())

@@ -28,6 +28,9 @@ BUSY_TIMEOUT_S = 5.0
 SETTINGS_COLUMNS = ("mode", "branches", "selector", "seed", "temperature", "shadow", "rehearsal_context")
 METRIC_COLUMNS = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
 ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str, "memory": str}
+ADDED_ANNOTATION_COLUMNS = {"corrected_action_kind": str, "corrected_predicted_set": int}
+"""`corrected_predicted_set`: the corrected response is set (a JSON `null` one too, stored as SQL NULL);
+NULL in rows written before it, read as "set when the value is not null" (`Annotation`)."""
 ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str}
 """`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
 dead writer (the episode was interrupted) from a live one (another process is still at it); `end_reason`:
@@ -159,7 +162,12 @@ class Store:
         db["annotations"].create({
             "id": int, "branch_id": int, "label": str, "corrected_action": str,
             "corrected_predicted": str, "note": str, "annotator": str, "created_at": str,
+            **ADDED_ANNOTATION_COLUMNS,
         }, pk="id", foreign_keys=[("branch_id", "branches", "id")], if_not_exists=True)
+        have = db["annotations"].columns_dict
+        for name, kind in ADDED_ANNOTATION_COLUMNS.items():
+            if name not in have:
+                db["annotations"].add_column(name, kind)
         db["transitions"].create({
             "id": int, "tool": str, "env_class": str, "call_key": str, "arguments": str, "response": str,
             "response_key": str, "error": int, "read_only": int, "source": str, "task_id": str, "split": str,
@@ -266,9 +274,7 @@ class Store:
             for r in self.db.query(sql, [episode_id]):
                 r = dict(r)
                 position = (r.pop("step_idx"), r.pop("branch_idx"))
-                r.pop("id")
-                r["corrected_predicted"] = _unjson(r["corrected_predicted"])
-                out.append((*position, Annotation(**r)))
+                out.append((*position, self.annotation_from_row(r)))
             return out
         return self._guard(read)
 
@@ -291,9 +297,19 @@ class Store:
         return row
 
     @staticmethod
+    def annotation_from_row(row: dict[str, Any]) -> Annotation:
+        """An `annotations` row (any extra columns ignored) as an Annotation; a row written before the
+        `corrected_predicted_set` flag reads a non-null response as set."""
+        fields = {k: row.get(k) for k in Annotation.model_fields if k in row}
+        fields["corrected_predicted"] = _unjson(row.get("corrected_predicted"))
+        fields["note"], fields["annotator"] = row.get("note") or "", row.get("annotator") or ""
+        return Annotation(**fields)
+
+    @staticmethod
     def _annotation_row(annotation: Annotation, branch_id: int | None = None) -> dict[str, Any]:
         row = annotation.model_dump()
-        row["corrected_predicted"] = _json(row["corrected_predicted"])
+        row["corrected_predicted"] = _json(row["corrected_predicted"]) if annotation.corrected_predicted_set else None
+        row["corrected_predicted_set"] = int(annotation.corrected_predicted_set)
         if branch_id is not None:
             row["branch_id"] = branch_id
         return row
@@ -418,6 +434,10 @@ class Store:
                             created_at=s["created_at"]) for s in steps])
         return self._guard(read)
 
+    def annotation_records(self, branch_id: int) -> list[Annotation]:
+        """A branch's annotations, oldest first, as Annotations (the flags of older rows read as `Annotation` says)."""
+        return [self.annotation_from_row(r) for r in self.annotations(branch_id)]
+
     def annotations(self, branch_id: int | None = None) -> list[dict[str, Any]]:
         if branch_id is None:
             return self._guard(lambda: list(self.db["annotations"].rows))
@@ -502,6 +522,17 @@ class Store:
         sql = "select distinct call_name from branches where call_name is not null order by call_name"
         return self._guard(lambda: [r["call_name"] for r in self.db.query(sql)])
 
+    def branch_id_at(self, episode_id: str, step: int, branch: int | None = None) -> int:
+        """The row id of a branch by position (`branch` None: the step's committed one)."""
+        sql = ("select b.id from branches b join steps s on s.id = b.step_id where b.episode_id = ? and b.step_idx = ? "
+               + ("and b.idx = ?" if branch is not None else "and b.idx = s.chosen"))
+        params = [episode_id, step] + ([branch] if branch is not None else [])
+        rows = self._guard(lambda: [r["id"] for r in self.db.query(sql, params)])
+        if not rows:
+            where = f"branch {branch} of step {step}" if branch is not None else f"step {step}"
+            raise StoreError(f"episode {episode_id} has no {where}")
+        return int(rows[0])
+
     def get_branch(self, branch_id: int) -> tuple[dict[str, Any], Branch]:
         """One branch by its row id: its row (with the episode's task and mode, and its step's
         `state_before`, decoded, for the fork's diff) and the record."""
@@ -542,6 +573,13 @@ class Store:
         sql = ("select e.id from episodes e where exists (select 1 from annotations a join branches b "
                "on b.id = a.branch_id where b.episode_id = e.id) order by e.created_at desc, e.rowid desc")
         return self._guard(lambda: [r["id"] for r in self.db.query(sql)])
+
+    def annotated_episode_rows(self) -> list[dict[str, Any]]:
+        """The same episodes with their task, recorded verdicts (a typed instruction's text) and annotation count."""
+        sql = ("select e.id, e.task_id, e.turn_results, (select count(*) from annotations a join branches b "
+               "on b.id = a.branch_id where b.episode_id = e.id) as n_annotations from episodes e "
+               "where n_annotations > 0 order by e.created_at desc, e.rowid desc")
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql)])
 
 
 def _transition_from_row(r: dict[str, Any]) -> Transition:

@@ -119,6 +119,36 @@ def _check_references(record: TraceRecord, line: int) -> None:
                                  f"branch {ann.branch}, which the episode does not have")
 
 
+def _check_corrections(record: TraceRecord, line: int) -> None:
+    """A corrected action is a call of a tool of its step with schema-valid arguments, or a plain answer marked as
+    such (`corrected_action_kind: "answer"`); an episode whose task cannot be rebuilt here has its calls checked
+    for form only (the tools are not known)."""
+    from app.service.annotations import episode_tools
+    from app.service.forms import InputError, check_corrected_action
+
+    tools: dict[int, list | None] = {}
+    for ann in record.annotations:
+        text = (ann.corrected_action or "").strip()
+        if not text:
+            continue
+        step = record.episode.steps[ann.step]
+        if ann.corrected_action_kind != "answer" and step.turn not in tools:
+            try:
+                tools[step.turn] = episode_tools(record.episode, ann.step)
+            except InputError:
+                tools[step.turn] = None
+        known = tools.get(step.turn)
+        try:
+            kind = check_corrected_action(text, ann.corrected_action_kind == "answer",
+                                          known if known is not None else [])
+        except InputError as exc:
+            if known is None and "unknown tool" in str(exc):
+                continue  # the task is not known here: its tools cannot be checked
+            raise TraceFileError(f"line {line}: episode {record.episode.id}: the annotation on step {ann.step}, "
+                                 f"branch {ann.branch}: {exc}") from None
+        ann.corrected_action_kind = kind  # type: ignore[assignment]
+
+
 def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
     """Validate a whole trace file; raises TraceFileError naming the first problem."""
     if len(data) > max_bytes:
@@ -144,6 +174,7 @@ def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRe
         except ValidationError as exc:
             raise TraceFileError(f"line {line_no}: {_first_error(exc)}") from None
         _check_references(record, line_no)
+        _check_corrections(record, line_no)
         if record.episode.id in seen:
             raise TraceFileError(f"line {line_no}: episode {record.episode.id} appears twice in the file")
         seen.add(record.episode.id)

@@ -193,7 +193,8 @@ def test_no_corrections_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("annotation, message", [
-    ({"corrected_predicted": '{"value": "blue"'}, "corrected response is not valid JSON"),
+    # A string is the JSON string it is (what a person types is parsed before it is saved: tests/test_corrections.py).
+    ({"corrected_action": "It is blue.", "corrected_action_kind": "call"}, "marked as a tool call but is plain text"),
     ({"corrected_action": '<tool_call>{"name": </tool_call>'}, "corrected action is not a valid tool call"),
 ])
 def test_invalid_corrections(tmp_path: Path, annotation: dict, message: str) -> None:

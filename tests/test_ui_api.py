@@ -268,6 +268,14 @@ def test_annotate_validates_then_saves(app):
     assert "Saved annotation" in ok and counts(app)["annotations"] == before["annotations"] + 1
     row = app[0].services.store.annotations()[-1]
     assert row["label"] == "major" and row["corrected_predicted"] == '{"value": "blue"}'
+    c.predict(api_name="/annotate_prev")
+    plain = c.predict("major", "", "It is blue.", "", "tester", False, api_name="/annotate_save")[0]
+    assert "not a tool call" in plain and counts(app)["annotations"] == before["annotations"] + 1
+    answer = c.predict("major", "null", "It is blue.", "", "tester", True, api_name="/annotate_save")[0]
+    assert "Saved annotation" in answer and counts(app)["annotations"] == before["annotations"] + 2
+    row = app[0].services.store.annotations()[-1]
+    assert row["corrected_action_kind"] == "answer" and row["corrected_predicted_set"] == 1
+    assert row["corrected_predicted"] is None
 
 
 def test_dashboard_returns_five_figures(app):

@@ -130,7 +130,7 @@ def test_preview_and_finetune_through_the_server(tmp_path: Path, monkeypatch) ->
         demo.close()
     new = str((tmp_path / "adapters" / "via-api").resolve())
     assert "registered" in message and json.loads(loss["plot"])["data"][0]["y"] == [2.0, 1.4, 0.9]
-    assert rows["data"][0][:2] == ["corrected", "Rehearse NLL"] and [new, new] in run_adapter["choices"]
+    assert rows["data"][0][:2] == ["trained on (the corrections)", "Rehearse NLL"] and [new, new] in run_adapter["choices"]
 
 
 # ---- the data preview ------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_preview_lists_the_corrected_branches_and_their_rows(tab) -> None:
     assert message == ""
     assert [(r[1], r[6], r[7], r[8]) for r in rows] == [(ids[0], "response", 0, 1), (ids[1], "action", 1, 0)]
     assert "**2 branches** → 1 Act row(s) and 1 Rehearse row(s)" in summary and episode.id in summary
-    assert cb.refresh()[0].choices == [(episode.id, episode.id)]
+    assert cb.refresh()[0].choices == [(f"mock:kv · {episode.id} (2 annotations)", episode.id)]
 
 
 def test_preview_without_corrections_says_what_to_do(tab) -> None:
@@ -201,12 +201,14 @@ def test_nothing_selected_and_invalid_stored_json(tab, monkeypatch) -> None:
     assert "not valid JSON" in cb.preview([], False)[0] and counts(cb) == (0, 0)
 
 
-def test_an_episode_of_a_typed_instruction_cannot_be_trained_on(tab) -> None:
+def test_an_episode_whose_prompts_cannot_be_rebuilt_is_left_out_with_a_note(tab) -> None:
+    """A typed instruction whose text was never recorded (typed instructions that were trains: test_corrections)."""
     cb, episode = tab
     correct_two(cb, episode.id)
     cb.services.store.db["episodes"].update(episode.id, {"task_id": "instruction:GorillaFileSystem"})
-    message, _, rows = cb.preview([], False)
-    assert "not a benchmark task" in message and "leave it out" in message and rows == []
+    message, summary, rows = cb.preview([], False)
+    assert message == "" and [(r[7], r[8]) for r in rows] == [(0, 0), (0, 0)]
+    assert "**Left out** (1)" in summary and "text was never recorded" in summary and episode.id in summary
 
 
 def test_an_existing_adapter_directory_is_refused(tab, monkeypatch) -> None:
@@ -236,7 +238,7 @@ def test_run_streams_the_loss_then_shows_before_after_and_new_choices(tab, monke
     assert "Measuring after and saving" in views[3][1]
     message, status, _, rows, figure, parent, name, run_adapter = views[-1]
     assert "registered" in message and "Run tab" in message and "loss 2.0 → 0.9" in status
-    assert ["corrected", "Rehearse NLL", 1.5, 0.5, "-1.0000 (better)"] in rows
+    assert ["trained on (the corrections)", "Rehearse NLL", 1.5, 0.5, "-1.0000 (better)"] in rows
     assert ["held-out (2 rows)", "Rehearse NLL", 0.3, 0.35, "+0.0500 (worse)"] in rows
     assert {t.name for t in figure.data} == {"before", "after"}
     new = str(req.out.resolve())
@@ -293,6 +295,6 @@ def test_real_finetune_through_the_tab(tab) -> None:
     assert row["path"] == out and row["parent"] is None and json.loads(row["data"])["rows"] == {"act": 0, "rehearse": 2}
     assert out in choice_values(run_adapter) and out in choice_values(parent)
     measured = {(r[0].split(" ")[0], r[1]) for r in rows}
-    assert {("corrected", "Rehearse NLL"), ("corrected", "Rehearse exact"), ("held-out", "Rehearse NLL"),
+    assert {("trained", "Rehearse NLL"), ("trained", "Rehearse exact"), ("held-out", "Rehearse NLL"),
             ("held-out", "Act agreement")} <= measured
     assert all(isinstance(r[2], float) and isinstance(r[3], float) for r in rows)

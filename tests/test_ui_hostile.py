@@ -88,6 +88,7 @@ def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_pat
             # An annotation whose name, note and corrected action are hostile: shown back as text.
             page.get_by_label("Annotator").fill(SHADOW_KEY)
             page.get_by_label("Corrected action").fill(HOSTILE)
+            page.get_by_label(C.ANN_PLAIN_ANSWER).check()  # plain text: an answer, marked as one
             page.get_by_label("Note").fill(HOSTILE)
             page.locator(f"#{C.ID_ANN_SAVE}").click()
             expect(page.locator(f"#{C.ID_ANN_MESSAGE}")).to_contain_text("Saved annotation")

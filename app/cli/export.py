@@ -10,6 +10,7 @@ loads inside the command.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         if args.rows == "corrections":
             selected = select_corrections(store, args.episodes, args.annotated)
-            rows = build_rows(store, selected, ctx)
+            notes: list[str] = []
+            rows = build_rows(store, selected, ctx, notes)
+            for note in notes:  # the rest is exported
+                print(f"left out: {note}", file=sys.stderr)
             episodes = {s.episode_id: store.get_episode(s.episode_id) for s in selected}
         elif args.rows == "episodes":
             ids = args.episodes or [r["id"] for r in store.list_episodes(status="finished")]

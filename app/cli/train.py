@@ -77,6 +77,9 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, help="new adapter directory (must not exist)")
     p.add_argument("--model", default="embedded", help="base model spec")
     p.add_argument("--no-agreement", action="store_true", help="skip the before/after Act generation")
+    p.add_argument("--unseen", type=int, default=0,
+                   help="measure Rehearse exact and NLL before and after on N real calls never trained on, of the "
+                        "corrected tools and of the other tools each (held-out expert replays; 0: skip)")
     p.set_defaults(func=cmd_finetune)
 
 
@@ -184,7 +187,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         parent = Path(args.parent)
     req = FinetuneRequest(out=Path(args.out), steps=args.steps, lr=args.lr, rank=args.rank, parent=parent,
                           episodes=args.episodes, annotated=args.annotated, spec=args.model,
-                          measure_agreement=not args.no_agreement)
+                          measure_agreement=not args.no_agreement, unseen_rows=args.unseen)
     db = args.db or default_db_path()
     try:
         validate_request(req)  # before opening anything: a typo costs nothing
@@ -205,7 +208,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     m = result.metrics
     print(f"adapter {result.adapter_id} written to {result.path} (parent {result.parent or 'base weights'}); "
           f"run {result.run_id}")
-    print(json.dumps({"before": _brief(m["before"]), "after": _brief(m["after"]), "train": m["train"]}))
+    print(json.dumps({"trained_on": {"before": _brief(m["before"]), "after": _brief(m["after"])}, "train": m["train"]}))
+    if m.get("verdict"):
+        print(m["verdict"])
     return 0
 
 

@@ -210,7 +210,10 @@ class RehearsalMemory:
             def rank(i: int) -> tuple:
                 t = index.items[i]
                 same_episode = scope.episode_id is not None and t.episode_id == scope.episode_id
-                return (index.calls[i] == wanted, same_episode, t.source != "explore", not t.error, scores[i], i)
+                exact = index.calls[i] == wanted
+                # A person's correction of this very call outranks what was observed of it.
+                return (exact, exact and t.source == "correction", same_episode, t.source != "explore", not t.error,
+                        scores[i], i)
 
             ranked = sorted(admitted, key=rank, reverse=True)
             hits, shown = [], set()
@@ -245,4 +248,15 @@ def observed(step: Step, *, task_id: str | None, split: str | None, episode_id: 
     return out
 
 
-__all__ = ["MemoryScope", "RehearsalMemory", "SEED_SOURCES", "observed", "scenario_of"]
+def corrected(call: Call, response: Any, *, tool: Tool | None, task_id: str | None, split: str | None,
+              episode_id: str | None, step: int, branch: int) -> Transition:
+    """An annotator's corrected response of `call` as a transition (source `correction`): what the rehearsal
+    memory takes in the moment the correction is saved."""
+    return Transition(tool=call.name, arguments=call.arguments, response=response,
+                      error=isinstance(response, dict) and "error" in response,
+                      read_only=bool(tool and tool.read_only), env_class=tool.env_class if tool else "",
+                      source="correction", task_id=task_id, split=split, episode_id=episode_id, step=step,
+                      branch=branch)
+
+
+__all__ = ["MemoryScope", "RehearsalMemory", "SEED_SOURCES", "corrected", "observed", "scenario_of"]

@@ -177,6 +177,22 @@ def argument_problems(validator: jsonschema.protocols.Validator, args: dict[str,
     return "; ".join(_describe(e) for e in problems) or None
 
 
+def call_problems(name: str, arguments: Any, tools: list[Tool]) -> str | None:
+    """What is wrong with a call of `name` with `arguments` among `tools` (an unknown tool, arguments that are
+    not an object or break the tool's schema, unknown argument names included), or None when it is valid.
+    The environments' own rule: a JSON null for an optional argument means "not given"."""
+    tool = next((t for t in tools if t.name == name), None)
+    if tool is None:
+        names = ", ".join(sorted(t.name for t in tools)) or "none"
+        return f"unknown tool {name!r} (this step's tools: {names})"
+    if not isinstance(arguments, dict):
+        return f"the arguments of {name} must be an object, got {type(arguments).__name__}"
+    schema = {"type": "object", **(tool.parameters or {}), "additionalProperties": False}
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)(schema)
+    problems = argument_problems(validator, without_null_optionals(tool, arguments))
+    return f"invalid arguments for {name}: {problems}" if problems else None
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     where = ".".join(str(p) for p in error.path)
     if error.validator == "additionalProperties":

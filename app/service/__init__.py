@@ -1,5 +1,7 @@
 """The inspector's service layer: what the UI asks of the engine and the store, without Gradio.
 
+- `annotations`: saving an annotation (a corrected action checked against the step's tools, a corrected
+  response into the rehearsal memory at once) and the fine-tune's episode picker.
 - `forms`: form fields -> `RunSettings` / `Annotation`, or an `InputError` saying what to fix.
 - `catalog`: the task catalog, typed instructions, the Run tab's `RunRequest`, adapters on disk.
 - `session`: `Services` (shared by every browser session: store, catalog, policy cache) and
@@ -13,6 +15,7 @@ The UI reaches the engine, environments and models only through this package (te
 nothing here imports Gradio.
 """
 from app.engine.report import compute_time, end_reason_text
+from app.service.annotations import SavedAnnotation, annotated_episode_choices, save_annotation
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
 from app.service.episodes import DiscardPlan, discard, plan_discard
@@ -20,5 +23,6 @@ from app.service.forms import InputError, build_annotation, parse_number, parse_
 from app.service.session import AheadStatus, RunSession, Services
 
 __all__ = ["AheadStatus", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
-           "Services", "build_annotation", "compute_time", "discard", "end_reason_text", "first_difference",
-           "parse_number", "parse_settings", "plan_discard", "task_turns"]
+           "SavedAnnotation", "Services", "annotated_episode_choices", "build_annotation", "compute_time", "discard",
+           "end_reason_text", "first_difference", "parse_number", "parse_settings", "plan_discard", "save_annotation",
+           "task_turns"]

@@ -5,6 +5,7 @@ task and its judge, or to an `InputError`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -122,6 +123,33 @@ def instruction_task(text: str, env_class: str) -> Task:
     return Task(id=f"{INSTRUCTION_PREFIX}{env_class}", category="instruction",
                 turns=[[{"role": "user", "content": text}]], env_classes=[env_class],
                 max_steps_per_turn=INSTRUCTION_BUDGET)
+
+
+def episode_task(episode: Episode) -> Task:
+    """The task a stored episode ran, with the user turns it really had: a benchmark task with the turns a
+    person typed in place (`with_typed_turns`), a typed instruction rebuilt from the text its verdicts recorded.
+    A ValueError says why it cannot be rebuilt (an unknown task, an instruction whose text was never recorded)."""
+    task_id = episode.task_id
+    if task_id.startswith(INSTRUCTION_PREFIX) or task_id.endswith(f"/{mcp_tasks.FREE}"):
+        text = next((t.details["instruction"] for t in sorted(episode.turn_results, key=lambda t: t.turn)
+                     if t.details.get("instruction")), "")
+        if not text.strip():
+            raise ValueError(f"episode {episode.id} is a typed instruction whose text was never recorded "
+                             "(its first turn did not end)")
+        if task_id.startswith(INSTRUCTION_PREFIX):
+            task = instruction_task(text, task_id[len(INSTRUCTION_PREFIX):])
+        else:
+            task = mcp_tasks.free_task(task_id.partition(":")[2].rsplit("/", 1)[0], text)
+    else:
+        task = envs.load_task(task_id)
+    turns, typed = with_typed_turns(task.turns, episode.turn_results)
+    return dataclasses.replace(task, turns=turns) if typed else task
+
+
+def task_env(task: Task) -> Any:
+    """A fresh environment of `task`: a typed BFCL instruction names its class, every other task (an MCP
+    instruction too) its suite."""
+    return envs.BFCLEnvironment.from_task(task) if task.id.startswith(INSTRUCTION_PREFIX) else envs.make_env(task)
 
 
 def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:

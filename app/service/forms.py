@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.config import DEFAULT_RELEVANCE
+from app.envs.base import Tool, call_problems
 from app.formats import parse_action
 from app.records import LABELS, MODES, Annotation, RunSettings
 
@@ -81,28 +82,62 @@ def parse_settings(*, mode: str, branches: Any, selector: str, temperature: Any,
         raise InputError(f"Temperature must be a number from 0 to 2; got {temperature!r}.") from None
 
 
+ANSWER_HINT = 'tick "plain answer" if the correction is a reply in words, not a tool call'
+CALL_FORMAT = '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+
+
+def parse_corrected_response(text: str | None) -> tuple[bool, Any]:
+    """The corrected-response field as (set, value): an empty field sets nothing; anything else must be one JSON
+    document, and `null`, `""`, `0` and `false` are corrections like any other."""
+    text = (text or "").strip()
+    if not text:
+        return False, None
+    try:
+        return True, json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"The corrected predicted response is not valid JSON (line {exc.lineno}, "
+                         f"column {exc.colno}: {exc.msg}). Fix it or clear the field.") from None
+
+
+def check_corrected_action(text: str, answer: bool, tools: list[Tool] | None) -> str:
+    """The kind of a corrected action (`call` or `answer`), or an InputError: a call must name a tool of the
+    step (`tools`) with schema-valid arguments; a plain answer must be marked as one (`answer`)."""
+    parsed = parse_action(text)
+    if answer:
+        if parsed.kind != "answer":
+            raise InputError("The corrected action is marked as a plain answer but is written as a tool call: "
+                             "untick \"plain answer\", or write the reply in words.")
+        return "answer"
+    if parsed.kind == "parse_error":
+        raise InputError(f"The corrected action does not parse: {parsed.error}. Write {CALL_FORMAT}, or {ANSWER_HINT}.")
+    if parsed.kind != "call" or parsed.call is None:
+        raise InputError(f"The corrected action is not a tool call: write {CALL_FORMAT}, or {ANSWER_HINT}.")
+    if tools is None:
+        raise InputError("The corrected action cannot be checked: this step's tools are unknown.")
+    problem = call_problems(parsed.call.name, parsed.call.arguments, tools)
+    if problem:
+        raise InputError(f"The corrected action is not a valid call of this step: {problem}.")
+    return "call"
+
+
 def build_annotation(branch_id: int, label: str | None, corrected_predicted: str, corrected_action: str,
-                     note: str, annotator: str) -> Annotation:
-    """A validated Annotation, or an InputError saying what to fix (nothing is written)."""
+                     note: str, annotator: str, *, answer: bool = False,
+                     tools: list[Tool] | None = None) -> Annotation:
+    """A validated Annotation, or an InputError saying what to fix (nothing is written).
+
+    `answer`: the corrected action is a plain-text answer (marked as such); otherwise it must be a call of one of
+    `tools` (the step's) with schema-valid arguments."""
     label = label or None
     if label is not None and label not in LABELS:
         raise InputError(f"Unknown label {label!r}; pick one of {', '.join(LABELS)}.")
-    predicted: Any = None
-    text = (corrected_predicted or "").strip()
-    if text:
-        try:
-            predicted = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"The corrected predicted response is not valid JSON (line {exc.lineno}, "
-                             f"column {exc.colno}: {exc.msg}). Fix it or clear the field.") from None
+    predicted_set, predicted = parse_corrected_response(corrected_predicted)
     action = (corrected_action or "").strip() or None
-    if action is not None and parse_action(action).kind == "parse_error":
-        raise InputError(f"The corrected action does not parse: {parse_action(action).error}. "
-                         'Write <tool_call>{"name": ..., "arguments": {...}}</tool_call> or a plain-text answer.')
-    if label is None and predicted is None and action is None and not (note or "").strip():
+    kind = check_corrected_action(action, bool(answer), tools) if action is not None else None
+    if label is None and not predicted_set and action is None and not (note or "").strip():
         raise InputError("Nothing to save: pick a label, or give a correction or a note.")
     annotator = (annotator or "").strip()
     if not annotator:
         raise InputError("Annotator is empty: type your name (or sign in on the Space).")
     return Annotation(branch_id=branch_id, label=label, corrected_predicted=predicted,
-                      corrected_action=action, note=(note or "").strip(), annotator=annotator[:100])
+                      corrected_predicted_set=predicted_set, corrected_action=action, corrected_action_kind=kind,
+                      note=(note or "").strip(), annotator=annotator[:100])

@@ -17,11 +17,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
-from app import envs
 from app.engine import selection
 from app.envs.base import Task
 from app.records import Episode, Step
-from app.service.catalog import INSTRUCTION_PREFIX, RunRequest, TaskCatalog, discover_adapters
+from app.service.catalog import INSTRUCTION_PREFIX, RunRequest, TaskCatalog, discover_adapters, task_env
 from app.service.forms import InputError, SessionBusyError
 from app.store import Recorder, Store, StoreError
 from model_backend.base import Policy, RemoteCapabilityError
@@ -133,6 +132,13 @@ class Services:
 
                 self._memory = open_memory(self.store)
             return self._memory
+
+    def remember(self, transitions: list[Any]) -> list[Any]:
+        """Add real transitions (a correction's) to the shared memory when it is open, else to the store it opens
+        from; returns those that were new."""
+        with self._memory_lock:
+            memory = self._memory
+        return memory.add(transitions) if memory is not None else self.store.add_transitions(transitions)
 
     def policy(self, model: str, adapter: str | None) -> Any:
         """Loaded on first use, then cached for every session (loading is the slow part)."""
@@ -352,8 +358,7 @@ class RunSession:
             self.notices.append("Settings or task changed: started a new episode (the previous one is saved as stopped).")
         self.recorder = Recorder(services.store)
         self.unjudged = judge is not None
-        # A typed BFCL instruction names its class; every other task (an MCP instruction too) its suite.
-        env = envs.BFCLEnvironment.from_task(task) if task.id.startswith(INSTRUCTION_PREFIX) else None
+        env = task_env(task) if task.id.startswith(INSTRUCTION_PREFIX) else None
         from app.engine import EpisodeRunner
 
         self.runner = EpisodeRunner(task, policy, request.settings, model=request.model, adapter=request.adapter,

@@ -39,11 +39,18 @@ def loss_figure(losses: list[float], steps: int | None = None) -> go.Figure:
 
 
 def _sets(metrics: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    sets = [("corrected", metrics.get("before") or {}, metrics.get("after") or {})]
+    # The corrections' own rows are what the fine-tune trained on: named so, never read as "fixed".
+    sets = [("trained on (the corrections)", metrics.get("before") or {}, metrics.get("after") or {})]
     held = metrics.get("heldout")
     if held:
         sets.append((f"held-out ({len(held.get('rows', []))} rows)", held.get("before") or {},
                      held.get("after") or {}))
+    unseen = metrics.get("unseen") or {}
+    for tool, v in (unseen.get("by_tool") or {}).items():
+        sets.append((f"unseen {tool} calls (n={v['n']})", v.get("before") or {}, v.get("after") or {}))
+    others = (unseen.get("groups") or {}).get("other tools")
+    if others and others.get("n"):
+        sets.append((f"unseen other tools (n={others['n']})", others.get("before") or {}, others.get("after") or {}))
     return sets
 
 
@@ -61,23 +68,24 @@ def comparison_rows(metrics: dict[str, Any]) -> list[list[Any]]:
 
 
 def comparison_figure(metrics: dict[str, Any]) -> go.Figure:
-    """Grouped before/after bars: NLLs on the left (lower is better), rates on the right."""
+    """Grouped before/after bars, one panel above the other (their titles never overlap): NLLs (lower is
+    better), then rates (higher is better)."""
     title = "Before and after the fine-tune"
     rows = comparison_rows(metrics)
     if not rows:
         return empty_figure(title, "Run a fine-tune to compare the model before and after.")
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("NLL (lower is better)",
-                                                        "Exact / agreement (higher is better)"))
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.22,
+                        subplot_titles=("NLL (lower is better)", "Exact / agreement (higher is better)"))
     lower = {label: lower_better for _, label, lower_better in METRICS}
     for col, want_lower in ((1, True), (2, False)):
         part = [r for r in rows if lower[r[1]] == want_lower]
         x = [f"{r[1]} · {r[0]}" for r in part]
         for idx, phase in ((2, "before"), (3, "after")):
             fig.add_bar(x=x, y=[r[idx] for r in part], name=phase, marker_color=COLORS[phase],
-                        showlegend=col == 1, legendgroup=phase, row=1, col=col,
+                        showlegend=col == 1, legendgroup=phase, row=col, col=1,
                         hovertemplate="%{x}: %{y:.4f}<extra>" + phase + "</extra>")
-    fig.update_yaxes(range=[0, 1], row=1, col=2)
-    fig.update_layout(title=title, barmode="group", **LAYOUT)
+    fig.update_yaxes(range=[0, 1], row=2, col=1)
+    fig.update_layout(title=title, barmode="group", **{**LAYOUT, "height": 560})
     return fig
 
 

@@ -21,8 +21,7 @@ from app import envs
 from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
 from app.records import Annotation, utcnow
 from app.store import Store
-from app.training.rows import (CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action,
-                               parse_corrected_value)
+from app.training.rows import CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +29,10 @@ MAX_STEPS = 10_000
 MAX_HELDOUT_ROWS = 64
 HELDOUT_TASKS = 4
 """Held-out tasks whose expert replays the held-out sample is drawn from (enough rows, still fast)."""
+MAX_UNSEEN_ROWS = 200
+UNSEEN_TASKS = 50
+"""Held-out tasks whose expert replays the unseen calls are drawn from (every one of their real transitions)."""
+CORRECTED, OTHERS = "corrected tools", "other tools"
 
 
 class FinetuneError(ValueError):
@@ -59,6 +62,9 @@ class FinetuneRequest:
     heldout_rows: int = 0
     """Rows sampled from expert replays of held-out BFCL tasks, measured before and after like
     the corrections: a fine-tune should fix the corrected cases without hurting the rest (0: skip)."""
+    unseen_rows: int = 0
+    """Real calls never trained on, per group, measured before and after (Rehearse exact and NLL): calls of the
+    corrected tools, and a fixed sample of calls of the other tools (`unseen_probe`; 0: skip)."""
 
 
 @dataclass
@@ -96,6 +102,8 @@ def validate_request(req: FinetuneRequest) -> None:
         raise FinetuneError(f"--rank must be between 1 and 256, got {req.rank}")
     if not 0 <= req.heldout_rows <= MAX_HELDOUT_ROWS:
         raise FinetuneError(f"held-out rows must be between 0 and {MAX_HELDOUT_ROWS}, got {req.heldout_rows}")
+    if not 0 <= req.unseen_rows <= MAX_UNSEEN_ROWS:
+        raise FinetuneError(f"unseen calls must be between 0 and {MAX_UNSEEN_ROWS}, got {req.unseen_rows}")
     if Path(req.out).exists():
         raise FinetuneError(f"--out {req.out} already exists; choose a new directory")
     if req.parent is not None and not is_adapter_dir(req.parent):
@@ -116,17 +124,12 @@ def select_corrections(store: Store, episodes: list[str] | None = None, annotate
     out = []
     for row in latest.values():
         try:
-            predicted = json.loads(row["corrected_predicted"]) if row["corrected_predicted"] is not None else None
+            ann = Store.annotation_from_row(row)
         except json.JSONDecodeError:
             raise FinetuneError(f"annotation {row['aid']}: the stored corrected response is not valid JSON") from None
-        ann = Annotation(branch_id=row["branch_id"], label=row["label"], corrected_action=row["corrected_action"],
-                         corrected_predicted=predicted, note=row["note"] or "", annotator=row["annotator"] or "")
-        corrected = bool((ann.corrected_action or "").strip()) or ann.corrected_predicted is not None
-        if not corrected and not annotated:
+        if not ann.corrected and not annotated:
             continue
         try:
-            if ann.corrected_predicted is not None:
-                parse_corrected_value(ann, row["aid"])
             if (ann.corrected_action or "").strip():
                 parse_corrected_action(ann, row["aid"])
         except CorrectionError as exc:
@@ -140,8 +143,17 @@ def select_corrections(store: Store, episodes: list[str] | None = None, annotate
     return out
 
 
-def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> list[Any]:
-    """Training rows for the selected branches, episode by episode."""
+def build_rows(store: Store, selected: list[Selected], ctx: PromptContext, notes: list[str] | None = None) -> list[Any]:
+    """Training rows for the selected branches, episode by episode.
+
+    Benchmark episodes, typed instructions and imported episodes alike: each prompt is rebuilt from the episode's
+    stored history (`episode_task`). What really cannot become a row (an episode whose task cannot be rebuilt, a
+    plain answer where the episode forced tool calls) is left out with a line in `notes` (logged when None) and
+    the rest is built."""
+    from app.service.catalog import episode_task, task_env
+
+    notes = [] if notes is None else notes
+    start = len(notes)
     rows: list[Any] = []
     by_episode: dict[str, list[Selected]] = {}
     for s in selected:
@@ -149,24 +161,33 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext) -> li
     for episode_id, items in by_episode.items():
         episode = store.get_episode(episode_id)
         try:
-            task = envs.load_task(episode.task_id)
-        except envs.UnknownTaskError:
-            raise FinetuneError(f"episode {episode_id} ran {episode.task_id!r}, not a benchmark task: its prompts "
-                                "cannot be rebuilt for training; leave it out (choose episodes)") from None
+            task = episode_task(episode)
+            env = task_env(task)
+        except ValueError as exc:
+            ids = ", ".join(str(s.annotation_id) for s in items)
+            notes.append(f"episode {episode_id} ({episode.task_id}): its prompts cannot be rebuilt ({exc}); "
+                         f"annotation(s) {ids} left out")
+            continue
         corrections = {}
         for s in items:
             ann = s.annotation
-            if not (ann.corrected_action or "").strip() and ann.corrected_predicted is None:
+            if not ann.corrected:
                 # Annotated without a correction: the real response is the Rehearse target.
                 _, branch = store.get_branch(s.branch_id)
                 if branch.actual_source is None or branch.call is None:
                     continue
-                ann = ann.model_copy(update={"corrected_predicted": branch.actual})
+                ann = ann.model_copy(update={"corrected_predicted": branch.actual, "corrected_predicted_set": True})
             corrections[(s.step_idx, s.branch_idx)] = (s.annotation_id, ann)
         try:
-            rows += correction_rows(episode, task, corrections, ctx)
+            rows += correction_rows(episode, task, corrections, ctx, env=env, notes=notes)
         except CorrectionError as exc:
             raise FinetuneError(str(exc)) from None
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()
+    for note in notes[start:]:
+        log.warning("left out of training: %s", note)
     return rows
 
 
@@ -232,6 +253,120 @@ def heldout_rows(ctx: PromptContext, n: int, seed: int = 0) -> list[Any]:
     return rng.sample(act, n_act) + rng.sample(rehearse, n_rehearse)
 
 
+# ---------------------------------------------------------------- unseen calls: does it fix the tool, keep the rest?
+
+
+def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set[str]]:
+    """(tools, canonical calls) the corrections train on: each corrected branch's call, or its corrected call."""
+    tools, calls = set(), set()
+    for s in selected:
+        _, branch = store.get_branch(s.branch_id)
+        call = branch.call if branch.kind == "call" else None
+        if (s.annotation.corrected_action or "").strip():
+            fixed = parse_corrected_action(s.annotation, s.annotation_id)
+            if fixed.call is not None:
+                tools.add(fixed.call.name)
+                calls.add(canonical_call(fixed.call))
+        if call is not None and (s.annotation.corrected_predicted_set or not s.annotation.corrected):
+            tools.add(call.name)
+            calls.add(canonical_call(call))
+    return tools, calls
+
+
+def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[str], n: int, seed: int = 0,
+                 task_ids: list[str] | None = None) -> dict[str, list[tuple[str, Any]]]:
+    """Rehearse rows of real transitions never trained on, as {group: [(tool, row)]}: up to `n` calls of the
+    corrected `tools` and a fixed sample of `n` calls of the other tools, from the expert replays of the first
+    `UNSEEN_TASKS` held-out BFCL tasks (never trained on; the same rows for every fine-tune with the same seed).
+    A call equal to a trained one (`trained`, canonical) is not unseen and is left out."""
+    if n <= 0:
+        return {CORRECTED: [], OTHERS: []}
+    ids = task_ids if task_ids is not None else envs.list_tasks("multi_turn_base", "heldout")[:UNSEEN_TASKS]
+    rows, episodes = expert_rows(ids, ctx)
+    calls = {f"{ep.id}/{step.index}/{b.index}": b.call for ep in episodes for step in ep.steps for b in step.branches
+             if b.call is not None}
+    pool: dict[str, list[tuple[str, Any]]] = {CORRECTED: [], OTHERS: []}
+    seen: set[str] = set()
+    for row in rows:
+        call = calls.get(row.ref)
+        if row.role != "rehearse" or call is None:
+            continue
+        key = canonical_call(call)
+        if key in trained or key in seen:
+            continue  # a trained call is not unseen; a repeated one counts once
+        seen.add(key)
+        pool[CORRECTED if call.name in tools else OTHERS].append((call.name, row))
+    rng = random.Random(seed)
+    return {group: (items if len(items) <= n else rng.sample(items, n)) for group, items in pool.items()}
+
+
+def rehearse_scores(policy: Any, model: Any, tokenizer: Any, rows: list[Any]) -> list[tuple[bool, float]]:
+    """(greedy Rehearse output equals the target, NLL of the target) of each Rehearse row."""
+    from model_backend.base import GenerationConfig
+    from model_backend.training import encode_rows, nll_of_rows
+
+    if not rows:
+        return []
+    encoded, _ = encode_rows(tokenizer, rows)
+    nll = nll_of_rows(model, encoded)
+    out = []
+    for row, enc, loss in zip(rows, encoded, nll):
+        config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=REHEARSE_STOP)
+        predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
+        out.append((error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0]),
+                    float(loss)))
+    return out
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson interval of a rate k/n ((0, 1) for n = 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
+
+
+def summarize_unseen(probe: dict[str, list[tuple[str, Any]]], before: dict[str, list[tuple[bool, float]]],
+                     after: dict[str, list[tuple[bool, float]]]) -> dict[str, Any]:
+    """Per group and per corrected tool: n, Rehearse exact and NLL before and after, with exact's 95% interval."""
+    def agg(scores: list[tuple[bool, float]]) -> dict[str, Any]:
+        n = len(scores)
+        k = sum(e for e, _ in scores)
+        return {"rehearse_exact": round(k / n, 4) if n else None,
+                "rehearse_nll": round(sum(x for _, x in scores) / n, 4) if n else None,
+                "exact_interval": list(wilson(k, n))}
+
+    out: dict[str, Any] = {"groups": {}, "by_tool": {}}
+    for group, items in probe.items():
+        out["groups"][group] = {"n": len(items), "rows": [r.ref for _, r in items],
+                                "before": agg(before[group]), "after": agg(after[group])}
+    for tool in sorted({t for t, _ in probe[CORRECTED]}):
+        idx = [i for i, (t, _) in enumerate(probe[CORRECTED]) if t == tool]
+        out["by_tool"][tool] = {"n": len(idx), "before": agg([before[CORRECTED][i] for i in idx]),
+                                "after": agg([after[CORRECTED][i] for i in idx])}
+    out["verdict"] = verdict_line(out)
+    return out
+
+
+def verdict_line(unseen: dict[str, Any]) -> str:
+    """One line: "rmdir: 0.20 -> 0.65 on 14 unseen calls; other tools 0.48 -> 0.47 on 120 (95% CI 0.39-0.56)"."""
+    def rate(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    parts = [f"{tool}: {rate(v['before']['rehearse_exact'])} -> {rate(v['after']['rehearse_exact'])} on {v['n']} "
+             f"unseen call{'s' if v['n'] != 1 else ''}" for tool, v in unseen["by_tool"].items()]
+    if not parts:
+        parts = ["no unseen call of the corrected tools in the held-out replays"]
+    others = unseen["groups"].get(OTHERS, {})
+    if others.get("n"):
+        low, high = others["after"]["exact_interval"]
+        parts.append(f"other tools {rate(others['before']['rehearse_exact'])} -> {rate(others['after']['rehearse_exact'])} "
+                     f"on {others['n']} (after: 95% CI {low:.2f}-{high:.2f})")
+    return "Rehearse exact, " + "; ".join(parts)
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -263,16 +398,23 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     tok = loaded.tokenizer
     ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
                         int(getattr(loaded.model.config, "max_position_embeddings", 8192)))
-    rows = build_rows(store, selected, ctx)
+    notes: list[str] = []
+    rows = build_rows(store, selected, ctx, notes)
     if not rows:
-        raise FinetuneError("the selected branches give no training rows (no call or real response to learn from)")
+        raise FinetuneError("the selected branches give no training rows "
+                            + (f"({notes[0]})" if notes else "(no call or real response to learn from)"))
     config = TrainConfig(steps=req.steps, lr=req.lr, rank=req.rank, seed=req.seed, warmup_steps=min(5, req.steps),
                          max_seq_len=None, pack_len=None)  # type: ignore[arg-type]
     encoded, dropped = encode_rows(tok, rows)
     held = heldout_rows(ctx, req.heldout_rows, req.seed)
+    probe: dict[str, list[tuple[str, Any]]] = {}
+    if req.unseen_rows:
+        tools, calls = trained_calls(store, selected)
+        probe = unseen_probe(ctx, tools, calls, req.unseen_rows, req.seed)
     policy = TransformersPolicy(loaded)
     before = correction_metrics(policy, loaded.model, tok, rows, req.measure_agreement)
     held_before = correction_metrics(policy, loaded.model, tok, held, req.measure_agreement) if held else None
+    probe_before = {g: rehearse_scores(policy, loaded.model, tok, [r for _, r in items]) for g, items in probe.items()}
     try:
         model = trainable_model(loaded, config)
         t0 = time.perf_counter()
@@ -282,13 +424,18 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     policy = TransformersPolicy(_with_model(loaded, model))
     after = correction_metrics(policy, model, tok, rows, req.measure_agreement)
     held_after = correction_metrics(policy, model, tok, held, req.measure_agreement) if held else None
+    probe_after = {g: rehearse_scores(policy, model, tok, [r for _, r in items]) for g, items in probe.items()}
     parent_id = _registry_id(store, req.parent)
     data = {"db": store.path, "annotations": [s.annotation_id for s in selected],
             "branches": [s.branch_id for s in selected], "episodes": sorted({s.episode_id for s in selected}),
-            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)}}
+            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)},
+            "left_out": notes}
     metrics = {"before": before, "after": after, "train": result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
     if held:
         metrics["heldout"] = {"rows": [r.ref for r in held], "before": held_before, "after": held_after}
+    if probe:
+        metrics["unseen"] = summarize_unseen(probe, probe_before, probe_after)
+        metrics["verdict"] = metrics["unseen"]["verdict"]
     adapter_id = uuid.uuid4().hex[:12]
     card = {"adapter_id": adapter_id, "parent": parent_id, "data": data, "metrics": metrics,
             "config": result.config}
@@ -323,5 +470,6 @@ def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data
         }).last_pk)
 
 
-__all__ = ["FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows", "correction_metrics",
-           "heldout_rows", "run_finetune", "select_corrections", "validate_request"]
+__all__ = ["CORRECTED", "OTHERS", "FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows",
+           "correction_metrics", "rehearse_scores", "summarize_unseen", "trained_calls", "unseen_probe", "verdict_line",
+           "wilson", "heldout_rows", "run_finetune", "select_corrections", "validate_request"]

@@ -7,7 +7,6 @@ ground-truth calls executed in the real environment), so one replay serves all s
 """
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from dataclasses import dataclass, field, replace
@@ -113,9 +112,10 @@ class StepView:
     """The tools available at the step."""
 
 
-def replay(episode: Episode, task: Task) -> Iterator[StepView]:
-    """Walk an episode's steps, rebuilding the runner's history before each one."""
-    env = envs.make_env(task)  # only for the tool list per turn; nothing is executed
+def replay(episode: Episode, task: Task, env: Any = None) -> Iterator[StepView]:
+    """Walk an episode's steps, rebuilding the runner's history before each one. `env`: a fresh environment of
+    `task` when `envs.make_env` cannot make one (a typed instruction's); only its tool list per turn is read."""
+    env = env if env is not None else envs.make_env(task)  # nothing is executed
     history: list[HistoryItem] = []
     turn = -1
     for step in episode.steps:
@@ -260,37 +260,49 @@ def single_turn_rows(ctx: PromptContext, categories: Iterable[str] = SINGLE_TURN
 
 
 def parse_corrected_value(annotation: Annotation, annotation_id: Any) -> Any:
-    value = annotation.corrected_predicted
-    if isinstance(value, str):
-        # The UI stores what the person typed; it must be a JSON document.
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise CorrectionError(f"annotation {annotation_id}: the corrected response is not valid JSON "
-                                  f"({exc.msg} at position {exc.pos})") from None
-    return value
+    """The corrected response: the JSON value the annotation holds, as is (a string is the JSON string it is,
+    `""` included; the forms parse what a person types before it is saved)."""
+    if not annotation.corrected_predicted_set:
+        raise CorrectionError(f"annotation {annotation_id}: it has no corrected response")
+    return annotation.corrected_predicted
 
 
 def parse_corrected_action(annotation: Annotation, annotation_id: Any) -> Branch:
+    """The corrected action as a branch: a plain answer when the person marked it as one, else a tool call (one
+    saved before the kind was recorded is read as it parses)."""
     text = (annotation.corrected_action or "").strip()
+    if annotation.corrected_action_kind == "answer":
+        if not text:
+            raise CorrectionError(f"annotation {annotation_id}: the corrected answer is empty")
+        return Branch(index=0, action_text=text, kind="answer")
     parsed = parse_action(text)
     if parsed.kind == "parse_error":
         raise CorrectionError(f"annotation {annotation_id}: the corrected action is not a valid tool call "
                               f"or answer ({parsed.error})")
+    if annotation.corrected_action_kind == "call" and parsed.kind != "call":
+        raise CorrectionError(f"annotation {annotation_id}: the corrected action is marked as a tool call but is "
+                              "plain text")
     return Branch(index=0, action_text=text, kind=parsed.kind, call=parsed.call)
 
 
 def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, int], tuple[Any, Annotation]],
-                    ctx: PromptContext) -> list[TrainRow]:
+                    ctx: PromptContext, env: Any = None, notes: list[str] | None = None) -> list[TrainRow]:
     """Rows from annotated branches: corrected_action -> Act target, corrected_predicted -> Rehearse target.
 
-    `corrections` maps (step index, branch index) to (annotation id, annotation).
+    `corrections` maps (step index, branch index) to (annotation id, annotation); `env`: as `replay`'s. A
+    correction that cannot become a row (a plain answer where the episode forced tool calls, a corrected response
+    with no call to rehearse) is left out with a line in `notes` (raised when `notes` is None).
     """
     rows: list[TrainRow] = []
     settings = ctx.settings.model_copy(update={"tool_choice": episode.settings.tool_choice})
     ctx = replace(ctx, settings=settings)
-    recent: list[Any] = []  # real transitions observed earlier in the episode (what its rehearsals may see)
-    for view in replay(episode, task):
+
+    def left_out(message: str) -> None:
+        if notes is None:
+            raise CorrectionError(message)
+        notes.append(message)
+
+    for view in replay(episode, task, env):
         for b in view.step.branches:
             found = corrections.get((view.step.index, b.index))
             if found is None:
@@ -301,16 +313,19 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
                 prompt = act_row_prompt(view, ctx)
                 target = act_target(parse_corrected_action(ann, ann_id), prompt.prefill)
                 if target is None:
-                    raise CorrectionError(f"annotation {ann_id}: the corrected action must be a tool call "
-                                          "(the episode forced tool calls)")
-                rows.append(TrainRow("act", prompt, target, "correction", ref))
-            if ann.corrected_predicted is not None:
+                    left_out(f"annotation {ann_id}: the corrected action must be a tool call "
+                             "(the episode forced tool calls); its Act row is left out")
+                else:
+                    rows.append(TrainRow("act", prompt, target, "correction", ref))
+            if ann.corrected_predicted_set:
                 value = parse_corrected_value(ann, ann_id)
                 call = b.call
                 if call is None and ann.corrected_action:
                     call = parse_corrected_action(ann, ann_id).call
                 if call is None:
-                    raise CorrectionError(f"annotation {ann_id}: a corrected response needs a branch with a tool call")
+                    left_out(f"annotation {ann_id}: a corrected response needs a branch with a tool call; "
+                             "its Rehearse row is left out")
+                    continue
                 rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context,
                                                                   episode.settings.constrain),
                                      rehearse_target(value), "correction", ref))

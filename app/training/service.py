@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from app.config import shipped_adapter
-from app.training.finetune import (MAX_HELDOUT_ROWS, FinetuneError, FinetuneRequest, FinetuneResult, Selected, build_rows,
-                          run_finetune, select_corrections)
+from app.training.finetune import (MAX_HELDOUT_ROWS, MAX_UNSEEN_ROWS, FinetuneError, FinetuneRequest, FinetuneResult,
+                                   Selected, build_rows, run_finetune, select_corrections)
 from app.service import InputError, parse_number
 from app.store import Store
 from app.training.rows import PromptContext
@@ -60,7 +60,7 @@ def adapter_dir(name: str | None, root: Path = ADAPTER_ROOT) -> Path:
 
 def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr: Any, rank: Any,
                   parent: str | None, out: Path, heldout_rows: Any, agreement: bool,
-                  max_steps: int) -> FinetuneRequest:
+                  max_steps: int, unseen_rows: Any = 0) -> FinetuneRequest:
     """A FinetuneRequest from raw form values; an InputError names the field and its range.
 
     `parent` is an adapter directory or None (the base weights); the library checks that it
@@ -72,9 +72,10 @@ def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr
         raise InputError("Learning rate must be above 0 (and at most 1), e.g. 3e-4; got 0.")
     rank = int(parse_number("Rank", rank, 1, 256, whole=True))
     held = int(parse_number("Held-out rows", heldout_rows, 0, MAX_HELDOUT_ROWS, whole=True))
+    unseen = int(parse_number("Unseen calls per group", unseen_rows, 0, MAX_UNSEEN_ROWS, whole=True))
     return FinetuneRequest(out=out, steps=steps, lr=lr, rank=rank, parent=Path(parent) if parent else None,
                            episodes=list(episodes) if episodes else None, annotated=bool(annotated),
-                           measure_agreement=bool(agreement), heldout_rows=held)
+                           measure_agreement=bool(agreement), heldout_rows=held, unseen_rows=unseen)
 
 
 def parent_path(choice: str | None, shipped_label: str, none_label: str) -> str | None:
@@ -105,13 +106,15 @@ class PlannedBranch:
     def correction(self) -> str:
         ann = self.selected.annotation
         parts = (["action"] if (ann.corrected_action or "").strip() else []) + \
-                (["response"] if ann.corrected_predicted is not None else [])
+                (["response"] if ann.corrected_predicted_set else [])
         return " + ".join(parts) or "real response"
 
 
 @dataclass
 class Plan:
     branches: list[PlannedBranch] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    """What cannot become a row and is left out (the rest trains), one line each."""
 
     @property
     def act_rows(self) -> int:
@@ -129,7 +132,8 @@ def plan(store: Store, episodes: list[str] | None, annotated: bool) -> Plan:
     instead of the model's tokenizer: so no model loads, and a bad correction fails here.
     """
     selected = select_corrections(store, episodes or None, annotated)
-    rows = build_rows(store, selected, PromptContext(lambda text: len(text) // 4 + 1, PREVIEW_CONTEXT))
+    notes: list[str] = []
+    rows = build_rows(store, selected, PromptContext(lambda text: len(text) // 4 + 1, PREVIEW_CONTEXT), notes)
     by_annotation = {s.annotation_id: PlannedBranch(s) for s in selected}
     for row in rows:
         planned = by_annotation[int(row.ref.rsplit("#annotation", 1)[1])]
@@ -137,7 +141,7 @@ def plan(store: Store, episodes: list[str] | None, annotated: bool) -> Plan:
             planned.act_rows += 1
         else:
             planned.rehearse_rows += 1
-    return Plan(list(by_annotation.values()))
+    return Plan(list(by_annotation.values()), notes)
 
 
 # ---------------------------------------------------------------- the job

@@ -145,16 +145,17 @@ def row_record(row: TrainRow, branches: dict[str, Branch], tools: list[Tool] | N
 
 def step_tools(episodes: dict[str, Episode]) -> dict[str, list[Tool]]:
     """`episode/step` -> the tools the agent had at that step (the same replay that built the prompts)."""
-    from app import envs
+    from app.service.catalog import episode_task, task_env
     from app.training.rows import replay
 
     out: dict[str, list[Tool]] = {}
     for ep in episodes.values():
         try:
-            task = envs.load_task(ep.task_id)
+            task = episode_task(ep)  # typed instructions too, with the turns a person typed
+            env = task_env(task)
         except ValueError:
             continue
-        for view in replay(ep, task):
+        for view in replay(ep, task, env):
             out[f"{ep.id}/{view.step.index}"] = view.tools
     return out
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.service import InputError, Services, build_annotation
+from app.service import InputError, Services, save_annotation
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render
@@ -27,8 +27,9 @@ class ReviewQueue:
         return self.ids[self.pos] if 0 <= self.pos < len(self.ids) else None
 
 
-AnnotateView = tuple[str, str, str, str, Any, Any, Any, Any]
-"""message, header, branch card, existing annotations, label, corrected predicted, corrected action, note."""
+AnnotateView = tuple[str, str, str, str, Any, Any, Any, Any, Any]
+"""message, header, branch card, existing annotations, label, corrected predicted, corrected action, note,
+plain answer."""
 
 
 class AnnotateCallbacks:
@@ -52,26 +53,26 @@ class AnnotateCallbacks:
         branch_id = queue.current
         if branch_id is None:
             return (message, "Queue empty: run some steps, or loosen the filters, then Load queue.",
-                    render.branch_cards(None, "Nothing to review."), "", None, "", "", "")
+                    render.branch_cards(None, "Nothing to review."), "", None, "", "", "", False)
         try:
             row, branch = self.services.store.get_branch(branch_id)
         except StoreError as exc:
-            return (message_html(str(exc), "error"), "", "", "", None, "", "", "")
+            return (message_html(str(exc), "error"), "", "", "", None, "", "", "", False)
         header = (f"**Branch {queue.pos + 1} of {len(queue.ids)}** · id {branch_id} · episode "
                   f"{render.md_code(row['episode_id'])} · step {row['step_idx']} · branch b{row['idx']} · task "
                   f"{render.md_code(row['task_id'])} · mode {render.md_text(str(row['mode']))}")
-        existing = self.services.store.annotations(branch_id)
+        existing = self.services.store.annotation_records(branch_id)
         # Names, notes and corrections come from other people (and imported files): literal text only.
-        lines = [f"- {render.md_text(a['created_at'][:19])} · **{render.md_text(a['label'] or '(no label)')}** "
-                 f"by {render.md_text(a['annotator'])}"
-                 + (f" · corrected response {render.md_code(render.short(json.loads(a['corrected_predicted']), 80))}"
-                    if a["corrected_predicted"] is not None else "")
-                 + (f" · corrected action {render.md_code(render.short(a['corrected_action'], 80))}"
-                    if a["corrected_action"] else "")
-                 + (f" · {render.md_text(' '.join(a['note'].split()))}" if a["note"] else "") for a in existing]
+        lines = [f"- {render.md_text(a.created_at[:19])} · **{render.md_text(a.label or '(no label)')}** "
+                 f"by {render.md_text(a.annotator)}"
+                 + (f" · corrected response {render.md_code(render.short(json.dumps(a.corrected_predicted, ensure_ascii=False), 80))}"
+                    if a.corrected_predicted_set else "")
+                 + (f" · corrected {'answer' if a.corrected_action_kind == 'answer' else 'action'} "
+                    f"{render.md_code(render.short(a.corrected_action, 80))}" if a.corrected_action else "")
+                 + (f" · {render.md_text(' '.join(a.note.split()))}" if a.note else "") for a in existing]
         existing_md = ("**Earlier annotations**\n" + "\n".join(lines)) if lines else "_No annotation yet._"
         return (message, header, '<div class="ea-cards">' + render.branch_card(branch, row["state_before"]) + "</div>", existing_md,
-                None, "", "", "")
+                None, "", "", "", False)
 
     def move(self, queue: ReviewQueue, delta: int) -> AnnotateView:
         if queue.ids:
@@ -85,19 +86,23 @@ class AnnotateCallbacks:
         return self.move(queue, +1)
 
     def save(self, queue: ReviewQueue, label: str | None, corrected_predicted: str, corrected_action: str,
-             note: str, annotator: str) -> AnnotateView:
+             note: str, annotator: str, answer: bool = False) -> AnnotateView:
         """Validate, save, go to the next branch; on a mistake keep every field as typed."""
-        keep = (gr.skip(),) * 7
+        keep = (gr.skip(),) * 8
         branch_id = queue.current
         if branch_id is None:
             return (message_html("Nothing to annotate: load the queue first.", "error"), *keep)
         try:
-            annotation = build_annotation(branch_id, label, corrected_predicted, corrected_action, note, annotator)
-            row_id = self.services.store.add_annotation(annotation)
+            result = save_annotation(self.services.store, branch_id, label, corrected_predicted, corrected_action,
+                                     note, annotator, answer=bool(answer), remember=self.services.remember)
         except (InputError, StoreError) as exc:
             gr.Warning(str(exc))
             return (message_html(str(exc), "error"), *keep)
-        saved = f"Saved annotation {row_id} ({annotation.label or 'no label'}) on branch {branch_id}."
+        annotation = result.annotation
+        saved = f"Saved annotation {result.id} ({annotation.label or 'no label'}) on branch {branch_id}."
+        if result.remembered is not None:
+            saved += (f" Its corrected response of {result.remembered.tool} is in the rehearsal memory now: the "
+                      "next rehearsal of that call retrieves it (with memory on).")
         if queue.pos < len(queue.ids) - 1:
             queue.pos += 1
         else:

@@ -49,6 +49,9 @@ def build_annotate_tab(services: Services, tab: gr.Tab) -> gr.Textbox:
             with gr.Column():
                 corrected_action = gr.Textbox(label="Corrected action", lines=2,
                                               placeholder='<tool_call>{"name": "...", "arguments": {}}</tool_call>')
+                answer = gr.Checkbox(False, label=C.ANN_PLAIN_ANSWER, elem_id=C.ID_ANN_ANSWER,
+                                     info="Otherwise the corrected action must call one of this step's tools "
+                                          "with valid arguments.")
                 note = gr.Textbox(label="Note", lines=2)
                 use_actual = gr.Button("Start the correction from the actual response", size="sm")
         with gr.Row():
@@ -58,12 +61,12 @@ def build_annotate_tab(services: Services, tab: gr.Tab) -> gr.Textbox:
             save = gr.Button(C.SAVE_NEXT, variant="primary", elem_id=C.ID_ANN_SAVE)
         gr.HTML(CHEATSHEET, elem_id=C.ID_ANN_CHEATSHEET, css_template=VIEW_CSS)
 
-    view = [message, header, card, existing, label, corrected_predicted, corrected_action, note]
+    view = [message, header, card, existing, label, corrected_predicted, corrected_action, note, answer]
     load.click(cb.load_queue, [queue, diverged, unannotated, tool, episode], view, api_name="annotation_queue")
     tab.select(cb.filter_choices, None, [tool, episode], api_visibility="private")
     prev_btn.click(cb.prev, queue, view, api_name="annotate_prev")
     next_btn.click(cb.next, queue, view, api_name="annotate_next")
-    save.click(cb.save, [queue, label, corrected_predicted, corrected_action, note, annotator], view,
+    save.click(cb.save, [queue, label, corrected_predicted, corrected_action, note, annotator, answer], view,
                api_name="annotate_save")
     use_actual.click(cb.use_actual, queue, corrected_predicted, api_visibility="private")
     help_btn.click(None, js="() => { window.__envaceToggleSheet && window.__envaceToggleSheet(); }")

@@ -54,7 +54,8 @@ lets a duplicate press in one session be refused at once instead of waiting behi
 # The Fine-tune tab. Parent choices besides registered adapter paths:
 PARENT_SHIPPED = "default (the shipped agent)"
 PARENT_NONE = "(none: base weights)"
-FT_DEFAULTS = {"steps": 20, "lr": 3e-4, "rank": 16, "heldout_rows": 4, "agreement": True}
+FT_DEFAULTS = {"steps": 20, "lr": 3e-4, "rank": 16, "heldout_rows": 4, "agreement": True, "unseen_rows": 16}
+# 16 unseen calls per group: 64 greedy rehearsals before and after, a minute or two on 2 cores.
 # 20 steps: a couple of corrections are learned in about that many on 2 cores (1-3 s a step).
 FT_MAX_STEPS = 500
 """More is refused in the UI (the library allows 10,000): at 1-3 s a step on 2 cores, 500 steps
@@ -90,6 +91,8 @@ ID_ANN_NEXT = "ann-next"
 ID_ANN_CHEATSHEET = "ann-cheatsheet"
 ID_ANN_MESSAGE = "ann-message"
 ID_ANN_CODE = "ann-corrected-predicted"
+ID_ANN_ANSWER = "ann-plain-answer"
+ANN_PLAIN_ANSWER = "Plain answer (not a tool call)"
 ID_TRACES_STATUS = "traces-status"
 ID_TRACES_TABLE = "traces-table"
 ID_TRACES_CARDS = "traces-cards"

@@ -16,7 +16,7 @@ from app.training import figures
 from app.training import service
 from app.config import shipped_adapter
 from app.training.finetune import FinetuneError, FinetuneResult, validate_request
-from app.service import InputError, Services
+from app.service import InputError, Services, annotated_episode_choices
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render
@@ -52,7 +52,7 @@ class FinetuneCallbacks:
 
     def refresh(self) -> tuple[Any, Any]:
         """Episodes with annotations, and the parents (a fine-tune in another session may have added one)."""
-        return (gr.Dropdown(choices=self.services.store.annotated_episodes()),
+        return (gr.Dropdown(choices=annotated_episode_choices(self.services.store)),
                 gr.Dropdown(choices=self.parent_choices()))
 
     # ------------------------------------------------------------ data
@@ -80,7 +80,8 @@ class FinetuneCallbacks:
     # ------------------------------------------------------------ the fine-tune
 
     def run(self, episodes: list[str] | None, annotated: bool, steps: Any, lr: Any, rank: Any, parent: str | None,
-            name: str, heldout_rows: Any, agreement: bool, progress=gr.Progress()) -> Iterator[FinetuneView]:
+            name: str, heldout_rows: Any, agreement: bool, unseen_rows: Any = 0,
+            progress=gr.Progress()) -> Iterator[FinetuneView]:
         """Validate, start the job (one at a time), stream the loss, then show before/after."""
         skip = gr.skip()
         try:
@@ -88,7 +89,7 @@ class FinetuneCallbacks:
                 episodes=episodes, annotated=annotated, steps=steps, lr=lr, rank=rank,
                 parent=service.parent_path(parent, C.PARENT_SHIPPED, C.PARENT_NONE),
                 out=service.adapter_dir(name, self.adapter_root), heldout_rows=heldout_rows, agreement=agreement,
-                max_steps=C.FT_MAX_STEPS)
+                max_steps=C.FT_MAX_STEPS, unseen_rows=unseen_rows)
             validate_request(req)  # the parent is an adapter, the directory is new
             plan = service.plan(self.services.store, req.episodes, req.annotated)  # nothing selected, bad JSON
             job = service.start(self.services.store, req)
@@ -133,6 +134,8 @@ class FinetuneCallbacks:
         status = (f"{what}\n\n**Done** in {result.metrics.get('seconds', '?')} s of training: "
                   f"{train.get('steps', len(result.losses))} steps, loss {train.get('loss_first')} → "
                   f"{train.get('loss_last')}, {train.get('tokens_per_s')} tokens/s.")
+        if result.metrics.get("verdict"):  # on calls it never saw: did it fix the tool, and keep the rest?
+            status += f"\n\n**{render.md_text(result.metrics['verdict'])}**"
         return (message_html(text), status, figures.loss_figure(result.losses, len(result.losses)),
                 figures.comparison_rows(result.metrics), figures.comparison_figure(result.metrics),
                 gr.Dropdown(choices=self.parent_choices()), service.default_name(), self.run_adapter_choices())
@@ -140,6 +143,10 @@ class FinetuneCallbacks:
 
 def plan_summary(plan: service.Plan) -> str:
     n = len(plan.branches)
-    return (f"**{n} branch{'es' if n != 1 else ''}** → {plan.act_rows} Act row(s) and "
+    text = (f"**{n} branch{'es' if n != 1 else ''}** → {plan.act_rows} Act row(s) and "
             f"{plan.rehearse_rows} Rehearse row(s) (episodes: "
             f"{render.short(', '.join(sorted({b.selected.episode_id for b in plan.branches})), 120)}).")
+    if plan.left_out:  # the rest trains; say what does not, as literal text
+        text += f"\n\n**Left out** ({len(plan.left_out)}): " + "; ".join(render.md_text(n) for n in plan.left_out[:5]) \
+            + (f"; and {len(plan.left_out) - 5} more" if len(plan.left_out) > 5 else "")
+    return text

@@ -6,9 +6,9 @@ from typing import Any, Callable
 import gradio as gr
 
 from app.training import figures
-from app.training.finetune import MAX_HELDOUT_ROWS
+from app.training.finetune import MAX_HELDOUT_ROWS, MAX_UNSEEN_ROWS
 from app.training.service import ADAPTER_ROOT, default_name
-from app.service import Services
+from app.service import Services, annotated_episode_choices
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
 from app.ui.finetune_callbacks import PREVIEW_COLUMNS, FinetuneCallbacks
@@ -22,7 +22,7 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
     with gr.Row(equal_height=False):
         with gr.Column(scale=1, min_width=300):
             gr.Markdown("**Training data**: annotated branches with a correction (Annotate tab).")
-            episodes = gr.Dropdown(services.store.annotated_episodes(), value=[], multiselect=True,
+            episodes = gr.Dropdown(annotated_episode_choices(services.store), value=[], multiselect=True,
                                    label="Episodes", info="empty: every episode with annotations")
             annotated = gr.Checkbox(False, label="Also annotated branches without a correction (real response)")
             preview = gr.Button(C.FT_PREVIEW, size="sm")
@@ -36,6 +36,9 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
             with gr.Accordion("Before/after measurement", open=False):
                 heldout = gr.Number(d["heldout_rows"], label="Held-out rows",
                                     info=f"0-{MAX_HELDOUT_ROWS} rows of held-out BFCL expert traces (0: skip)")
+                unseen = gr.Number(d["unseen_rows"], label="Unseen calls per group",
+                                   info=f"0-{MAX_UNSEEN_ROWS} real calls never trained on, from held-out expert replays: "
+                                        "of the corrected tools, and of the other tools (0: skip)")
                 agreement = gr.Checkbox(d["agreement"], label="Generate: Act agreement and Rehearse exact "
                                                               "(a few seconds a row)")
             run = gr.Button(C.FT_RUN, variant="primary")
@@ -46,10 +49,10 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
                                  label="Branches to train on")
             status = gr.Markdown("")
             loss = gr.Plot(figures.loss_figure([]), label="Training loss")
-            with gr.Row(equal_height=False):
-                comparison = gr.Dataframe(headers=figures.COMPARISON_COLUMNS, value=[], interactive=False,
-                                          label="Before / after")
-                comparison_figure = gr.Plot(figures.comparison_figure({}), label="Before / after")
+            # Stacked, full width: the table's last column (the change) stays on screen.
+            comparison = gr.Dataframe(headers=figures.COMPARISON_COLUMNS, value=[], interactive=False, wrap=True,
+                                      label="Before / after")
+            comparison_figure = gr.Plot(figures.comparison_figure({}), label="Before / after")
 
     data = [episodes, annotated]
     plan_view = [message, summary, table]
@@ -60,6 +63,6 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
         cb.show_plan, data, plan_view, api_visibility="private")
     # Its own concurrency group, two slots: a second press reaches the callback at once and is
     # told that a fine-tune is running (one at a time, enforced by app.training.service).
-    run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement],
+    run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement, unseen],
               [message, status, loss, comparison, comparison_figure, parent, name, run_adapter],
               api_name="finetune", concurrency_id="finetune", concurrency_limit=2)

@@ -198,8 +198,10 @@ def memory_provenance(b: Branch) -> str:
         f'<td>{esc(h.source)}{" · error" if h.error else ""}</td><td>{esc(h.task_id or "")}</td>'
         f'<td>{"exact call" if h.score >= 1e6 else f"{h.score:.2f}"}</td></tr>'
         for h in b.memory)
+    fixed = sum(h.source == "correction" for h in b.memory)
+    said = f", {fixed} of them an annotator's correction" if fixed else ""
     return (f'<details class="ea-memory"><summary>Rehearsed with {len(b.memory)} real transition(s) from memory'
-            f'</summary><table class="ea-table"><tr><th>arguments</th><th>real response</th><th>source</th>'
+            f'{said}</summary><table class="ea-table"><tr><th>arguments</th><th>real response</th><th>source</th>'
             f'<th>task</th><th>match</th></tr>{rows}</table></details>')
 
 
