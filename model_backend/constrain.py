@@ -86,7 +86,8 @@ def _fresh_matcher(tokenizer: Any, grammar: str) -> Any:
 
 
 CLOSE_MARGIN = 16
-"""With `Constraint.close_strings`, this many tokens before the budget the row starts closing its JSON."""
+"""With `Constraint.close_strings`, this many tokens before the budget the row starts closing its JSON (a
+quarter of the budget where that is less: a 26-token budget keeps 20 tokens for the value, not 10)."""
 _CLOSERS = frozenset('"}]')
 
 
@@ -135,7 +136,7 @@ class RowMatcher:
         return mask
 
     def _closing(self) -> bool:
-        if self.budget is not None and self.consumed >= self.budget - CLOSE_MARGIN:
+        if self.budget is not None and self.consumed >= self.budget - min(CLOSE_MARGIN, max(2, self.budget // 4)):
             return True
         current = open_string(self._text)
         return current is not None and repeated_phrase(current) is not None

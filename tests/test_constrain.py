@@ -175,7 +175,13 @@ def test_a_rehearsal_string_that_loops_or_nears_the_budget_is_closed(tokenizer: 
     assert not only_closers(fed('{"error": "mkdir: No such dir: No such user'))  # not a loop yet
     near = fed('{"error": "mkdir: cannot')
     assert not only_closers(near)
-    near.budget = near.consumed + CLOSE_MARGIN  # as many tokens left as closing may need
+    near.consumed, near.budget = 100, 100 + CLOSE_MARGIN  # as many tokens left as closing may need
+    assert only_closers(near)
+    # A tight budget closes at a quarter of it, not CLOSE_MARGIN before it: 26 tokens keep 20 for the value (the
+    # fine-tune's measurement budgets are this tight; 16 before 26 cut "deep_folder" to "deep_").
+    near.budget, near.consumed = 26, 19
+    assert not only_closers(near)
+    near.consumed = 20
     assert only_closers(near)
     # Without the flag (Act's constraint) nothing is closed early.
     free = RowMatcher(tokenizer, Constraint(schema={}, close="</x>"))

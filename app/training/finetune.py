@@ -194,6 +194,13 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext, notes
 # ---------------------------------------------------------------- metrics
 
 
+def rehearse_budget(enc: Any) -> int:
+    """The token budget of a measured Rehearse generation: as the runner's (128) or the target's length plus room
+    for the tags; never so tight that the constraint's budget closing (`constrain.CLOSE_MARGIN`) cuts the value
+    short (with `n_target + 8`, `{"current_working_directory": "deep_folder"}` came out as `"deep_"`)."""
+    return max(128, enc.n_target + 32)
+
+
 def correction_metrics(policy: Any, model: Any, tokenizer: Any, rows: list[Any], agreement: bool) -> dict[str, Any]:
     """NLL of the corrected responses under Rehearse, and Act agreement with the corrected actions."""
     from model_backend.base import GenerationConfig
@@ -209,7 +216,7 @@ def correction_metrics(policy: Any, model: Any, tokenizer: Any, rows: list[Any],
         if agreement:
             exact = 0
             for row, enc in zip(rehearse, encoded):
-                config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=REHEARSE_STOP)
+                config = GenerationConfig(max_new_tokens=rehearse_budget(enc), temperature=0.0, stop=REHEARSE_STOP)
                 predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
                 exact += error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0])
             out["rehearse_exact"] = round(exact / len(rehearse), 4)
@@ -311,7 +318,7 @@ def rehearse_scores(policy: Any, model: Any, tokenizer: Any, rows: list[Any]) ->
     nll = nll_of_rows(model, encoded)
     out = []
     for row, enc, loss in zip(rows, encoded, nll):
-        config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=REHEARSE_STOP)
+        config = GenerationConfig(max_new_tokens=rehearse_budget(enc), temperature=0.0, stop=REHEARSE_STOP)
         predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
         out.append((error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0]),
                     float(loss)))
