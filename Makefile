@@ -63,7 +63,7 @@ bench: setup
 train-agent: setup
 	$(PYTHON) -m app train-agent
 
-# The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
+# docs/EVALUATION.md's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
 # First 12 held-out tasks, first 2 turns, at most 4 steps a turn, tools ranked (the default relevance), the K
 # candidates one per top-ranked tool, the logprob selector: about 20 minutes on 2 cores.
 EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4 --selector logprob --proposal tools

@@ -261,7 +261,7 @@ API is deprecated in favour of torchao; torch is pinned, so it stays until an up
 INFERENCE_WEIGHTS = "fp16"
 """What `load_policy` holds a local model's linear weights in on a CPU unless told otherwise: decoding
 reads half the bytes of fp32, and the greedy text and held-out accuracy were measured equal (see
-bench/results/decode.json and the README's speed section)."""
+bench/results/decode.json and docs/PERFORMANCE.md)."""
 
 
 def weights_format(weights: str | None = None, default: str = "fp32") -> str:
