@@ -25,7 +25,7 @@ from model_backend import (
     load_policy,
     parse_spec,
 )
-from model_backend import loading
+from model_backend import loading, spec
 
 SHORT = 16  # new tokens for equality tests: enough to diverge if anything were off, cheap on CPU
 
@@ -73,11 +73,11 @@ def test_missing_package_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(loading.CACHE_ENV, raising=False)
-    assert loading.cache_root() == Path.home() / ".cache" / "envace-inspector" / "models"
-    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "env"))
-    assert loading.cache_root() == tmp_path / "env"
-    assert loading.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv(spec.CACHE_ENV, raising=False)
+    assert spec.cache_root() == Path.home() / ".cache" / "envace-inspector" / "models"
+    monkeypatch.setenv(spec.CACHE_ENV, str(tmp_path / "env"))
+    assert spec.cache_root() == tmp_path / "env"
+    assert spec.cache_root(tmp_path / "arg") == tmp_path / "arg"
 
 
 class _FailingModel:
