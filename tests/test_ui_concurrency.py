@@ -67,7 +67,8 @@ def drive(demo, url: str, task_id: str, out: dict, errors: list) -> None:
             # steps as the store holds for its episode.
             wait_until(lambda: gradio_queue_idle(demo), 600, interval=0.5, message="the queue never emptied")
             episode = re.search(r"Episode\s+`?(\w+)", status.inner_text()).group(1)
-            expect(status).to_contain_text(f", {len(demo.services.store.get_episode(episode).steps)} step(s)")
+            expect(status).to_contain_text(f", {len(demo.services.store.get_episode(episode).steps)} step(s)",
+                                           timeout=120_000)
             text = status.inner_text()
             out[task_id] = {"episode": re.search(r"Episode\s+`?(\w+)", text).group(1),
                             "shown_steps": int(re.search(r"(\d+) step\(s\)", text).group(1)),
