@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from gradio_client import Client
-from helpers import wait_until
+from helpers import gradio_queue_idle, wait_until
 from scripted import ScriptedPolicy
 
 from app.ui import SWITCH_INTERVAL_S, build_demo
@@ -150,12 +150,14 @@ def test_two_steps_at_once_one_is_refused(app):
     try:
         first = c.submit(**form(model="slow"), api_name="/step")
         wait_until(ACTING.is_set, 60, message="the first step never reached the policy")
+        assert not gradio_queue_idle(app[0])  # the helper the browser tests wait on sees the running step
         refused = c.submit(**form(model="slow"), api_name="/step").result()[0]  # answered while the first acts
     finally:
         RELEASE.set()
     assert "A step is already running in this session" in refused and "ea-msg-error" in refused
     done = first.result()[0]
     assert "ea-msg-error" not in done and "already running" not in done
+    wait_until(lambda: gradio_queue_idle(app[0]), 30, message="the queue kept a finished step")
 
 
 def test_sessions_do_not_see_each_others_runs(app):

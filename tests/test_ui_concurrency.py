@@ -95,7 +95,7 @@ def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -
         wall = time.monotonic() - started
     finally:
         demo.close()
-    assert errors == []
+    assert errors == [], "\n".join(errors)
     store = demo.services.store
     rows = store.list_episodes()
     assert sorted(r["task_id"] for r in rows) == sorted(tasks)  # one episode per person: no double press made two
