@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps native-deps clean
+.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps native-deps clean screenshot reliability
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -60,10 +60,17 @@ test-fast: setup mcp-deps
 bench: setup
 	$(PYTHON) bench/run_all.py
 
+# Tracked files that browser tests can produce; the tests themselves write only to their tmp_path.
+screenshot: setup browser-deps
+	ENVACE_SCREENSHOT=$(CURDIR)/docs/screenshot-run.png $(PYTHON) -m pytest -q tests/test_ui_browser.py
+
+reliability: setup browser-deps
+	ENVACE_RELIABILITY_JSON=$(CURDIR)/bench/results/reliability.json $(PYTHON) -m pytest -q -s tests/test_ui_concurrency.py
+
 train-agent: setup
 	$(PYTHON) -m app train-agent
 
-# The README's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
+# docs/EVALUATION.md's table: the embedded agent on the held-out split (override with make eval EVAL_ARGS=...).
 # First 12 held-out tasks, first 2 turns, at most 4 steps a turn, tools ranked (the default relevance), the K
 # candidates one per top-ranked tool, the logprob selector: about 20 minutes on 2 cores.
 EVAL_ARGS ?= --limit 12 --branches 4 --max-turns 2 --max-steps 4 --selector logprob --proposal tools

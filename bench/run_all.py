@@ -1,7 +1,8 @@
-"""Run every benchmark, then write the README's benchmark table from bench/results/*.json.
+"""Run every benchmark, then write the benchmark tables from bench/results/*.json: the full one in
+docs/PERFORMANCE.md and a short one (a few headline rows of the same table) in README.md.
 
 `make bench` runs this. Each script prints its figures and writes its own JSON file;
-`--table-only` rebuilds the README table from the existing files without running.
+`--table-only` rebuilds both tables from the existing files without running.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_weights.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
            "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py", "bench_rehearse_format.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+# The README's short table: the rows of the full table whose figure starts with one of these.
+SHORT_ROWS = ("step p50, shipped adapter", "Step's wait once the step was computed ahead",
+              "decode tokens/s, batch 1, fp16 weights (the CPU default", "decode tokens/s, batch 4, all rows, fp16 weights (the default)",
+              "prefix cache speed-up", "UI overhead per step")
 
 
 def load(name: str) -> dict:
@@ -163,21 +168,32 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def update_readme() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if START not in text:
-        print("README has no benchmark markers; table:\n" + table())
+def short_table() -> str:
+    """The README's rows: the header and the full table's rows named in SHORT_ROWS, in its order."""
+    head, sep, *rows = table().split("\n")
+    return "\n".join([head, sep] + [r for r in rows if r.removeprefix("| ").startswith(SHORT_ROWS)])
+
+
+def write_table(path: Path, text: str) -> None:
+    """Replace what lies between the markers in `path` with `text` (printed instead where there are none)."""
+    content = path.read_text()
+    if START not in content:
+        print(f"{path.name} has no benchmark markers; table:\n{text}")
         return
-    head, rest = text.split(START, 1)
+    head, rest = content.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
-    print("README benchmark table updated")
+    path.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    print(f"{path.relative_to(ROOT)} benchmark table updated")
+
+
+def update_readme() -> None:
+    write_table(ROOT / "docs" / "PERFORMANCE.md", table())
+    write_table(ROOT / "README.md", short_table())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--table-only", action="store_true", help="only rebuild the README table")
+    parser.add_argument("--table-only", action="store_true", help="only rebuild the tables (README, docs/PERFORMANCE.md)")
     args = parser.parse_args()
     if not args.table_only:
         for script in SCRIPTS:

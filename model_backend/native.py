@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .loading import cache_root
+from .spec import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,16 @@ local spec into weights, `remote` an `openai:` spec into a client, `factory` pic
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>, openai:<base_url>#<model>"
+CACHE_ENV = "ENVACE_CACHE_DIR"
 REMOTE_OPTIONS = ("tokenizer", "prompt", "thinking", "do_sample", "timeout", "retries", "backoff", "context", "concurrency",
                   "constrain")
 CONSTRAIN_FORMS = ("vllm", "openai", "llama.cpp", "sglang")
@@ -19,6 +22,16 @@ CONSTRAIN_FORMS = ("vllm", "openai", "llama.cpp", "sglang")
 OpenAI's `response_format` json_schema (vLLM, SGLang, llama.cpp's chat endpoint), llama.cpp's `json_schema`
 object, SGLang's `json_schema` string. `auto` tries them in this order."""
 
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted checkpoints (and the native step's build) live: argument, then $ENVACE_CACHE_DIR, then
+    ~/.cache."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path.home() / ".cache" / "envace-inspector" / "models"
 
 
 class ModelSpecError(ValueError):

@@ -7,20 +7,15 @@ or to answer a scripted model quickly. The real server in the tests is `transfor
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
+from helpers import free_port  # noqa: F401 (re-exported: test_remote.py imports it from here)
+
 Reply = tuple[int, Any]
 """(HTTP status, body): a dict/list is sent as JSON, bytes/str as they are."""
 Handler = Callable[[str, str, dict[str, Any]], Reply]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat_reply(text: str, finish: str = "stop", n: int = 1, **extra: Any) -> dict[str, Any]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from fake_openai import free_port
+from helpers import free_port, wait_until
 
 
 class ServeError(RuntimeError):
@@ -36,19 +35,21 @@ def start(ckpt: Path, wait_s: float = 240) -> tuple[subprocess.Popen, str, Path]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + wait_s
-    while True:
+
+    def answers() -> bool:
         if proc.poll() is not None:
             raise ServeError(f"transformers serve exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return proc, url, log_path
+            return httpx.get(f"{url}/models", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            stop(proc)
-            raise ServeError(f"transformers serve did not answer in {wait_s:g} s: {log_path.read_text()[-2000:]}")
-        time.sleep(0.5)
+            return False
+
+    try:
+        wait_until(answers, wait_s, interval=0.5)
+    except AssertionError:
+        stop(proc)
+        raise ServeError(f"transformers serve did not answer in {wait_s:g} s: {log_path.read_text()[-2000:]}") from None
+    return proc, url, log_path
 
 
 def stop(proc: subprocess.Popen) -> None:

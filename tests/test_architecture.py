@@ -1,6 +1,7 @@
 """The layout the README describes: imports point one way, and the UI reaches the engine only
-through the service layer. Read from the source (AST), so a lazy in-function import counts too;
-imports under `if TYPE_CHECKING:` do not (they never run)."""
+through the service layer. Read from the source (AST), so a lazy in-function import counts too, and a
+relative import (`from .x import y`, `from .. import z`) is resolved to the module it names; imports under
+`if TYPE_CHECKING:` do not count (they never run)."""
 import ast
 from pathlib import Path
 
@@ -8,20 +9,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("app", "model_backend")
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for f in (ROOT / pkg).rglob("*.py"):
-            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    for pkg in packages:
+        for f in (root / pkg).rglob("*.py"):
+            parts = list(f.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join(parts)] = f
     return out
 
 
-def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """Modules of ours that `path` imports (a name imported from a package counts as its submodule)."""
+def imports(path: Path, known: dict[str, Path], name: str, packages: tuple[str, ...] = PACKAGES) -> set[str]:
+    """Modules of ours that `path` (module `name`) imports (a name imported from a package counts as its
+    submodule; a relative import counts from `name`'s package)."""
     tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = set()
@@ -29,17 +32,22 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
         if id(node) in typing_only:
             continue
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] in PACKAGES:
-            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                    for a in node.names}
+            out |= {a.name for a in node.names if a.name.split(".")[0] in packages}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: up level-1 packages from this module's own
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] in packages:
+                out |= {f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names}
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    known = modules()
-    return {name: imports(path, known) - {name} for name, path in known.items()}
+def graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    known = modules(root, packages)
+    return {name: imports(path, known, name, packages) - {name} for name, path in known.items()}
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -76,6 +84,23 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_relative_imports_are_resolved_and_their_circle_found(tmp_path):
+    """A package whose modules import each other only relatively: the graph sees every edge, the circle
+    is found, and a typing-only import is not an edge."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import thing\n")
+    (pkg / "a.py").write_text("def thing():\n    from .sub import b  # lazy, still an edge\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from ..c import helper\nfrom . import d\n")
+    (pkg / "sub" / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\n")
+    (pkg / "c.py").write_text("from pkg.a import thing\n")
+    g = graph(tmp_path, ("pkg",))
+    assert g == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub": set(), "pkg.sub.b": {"pkg.c", "pkg.sub.d"},
+                 "pkg.sub.d": set(), "pkg.c": {"pkg.a"}}
+    assert cycles(g) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
 def test_no_import_circles_in_app_or_model_backend():

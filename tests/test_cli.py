@@ -66,24 +66,23 @@ def test_help_does_not_import_torch():
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_serve_shuts_down_cleanly_on_sigterm_and_ctrl_c(tmp_path, sig):
     import signal
-    import socket
-    import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from helpers import free_port, wait_until
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", str(port), "--db", str(tmp_path / "x.db")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
+        def answers() -> bool:
+            assert proc.poll() is None, proc.stderr.read()
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
-                break
+                return True
             except OSError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no answer"
-                time.sleep(0.5)
+                return False
+
+        wait_until(answers, 120, interval=0.5, message="serve did not answer")
         proc.send_signal(getattr(signal, sig))
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0 and "shutting down" in err

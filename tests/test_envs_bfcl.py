@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 import json
 import pickle
-import time
 
 import pytest
 
@@ -239,15 +238,12 @@ def test_fork_is_independent() -> None:
 # -- ground truth and the judge -----------------------------------------------------
 
 def test_replay_all_base_tasks_passes() -> None:
-    start = time.perf_counter()
     failures = {}
     for task_id in list_tasks("multi_turn_base"):
         checks = replay_ground_truth(load_task(task_id))
         if not all(c.success for c in checks):
             failures[task_id] = [c.details.get("error_type") for c in checks]
-    elapsed = time.perf_counter() - start
     assert not failures
-    assert elapsed < 30, f"replaying 200 tasks took {elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("category", ["multi_turn_miss_param", "multi_turn_long_context", "multi_turn_miss_func"])

@@ -2,14 +2,14 @@
 a streamable HTTP server (the SDK's MCPServer), and a stdio server that misbehaves on request.
 
 The servers come from `make mcp-deps` (npm and a second virtual environment under `.mcp/`) and
-`requirements-dev.txt`; a missing one fails here with the command that installs it.
+`requirements-dev.txt`; a test whose server is missing is skipped, saying which and the command
+that installs it.
 """
 import gc
 import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -19,21 +19,14 @@ from app import envs
 from app.engine import EpisodeRunner
 from app.engine.runner import NOT_EXECUTED_CANNOT_FORK
 from app.envs.base import Task, TurnCheck
-from app.envs.mcp import TEXT_RESPONSE, MCPEnvironment, MCPServerConfig, MCPStartError, servers_dir
+from app.envs.mcp import TEXT_RESPONSE, MCPEnvironment, MCPServerConfig, MCPStartError
 from app.envs.mcp_state import git
 from app.records import RunSettings
+from helpers import free_port, need_servers, wait_until
 from scripted import ScriptedPolicy
 
 SERVERS = Path(__file__).parent / "mcp_servers"
 FAULTY = {"command": sys.executable, "args": [str(SERVERS / "faulty_server.py"), "{state}"]}
-
-
-def need_servers() -> None:
-    missing = [p for p in (servers_dir() / "sqlite/bin/mcp-server-sqlite", servers_dir() / "git/bin/mcp-server-git",
-                           servers_dir() / "node_modules/@modelcontextprotocol/server-filesystem/dist/index.js")
-               if not p.exists()]
-    if missing:
-        pytest.fail(f"MCP test servers missing ({', '.join(map(str, missing))}): run `make mcp-deps`")
 
 
 def children() -> set[int]:
@@ -228,21 +221,24 @@ def test_closing_or_dropping_an_environment_ends_its_server(tmp_path):
 
 @pytest.fixture
 def http_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(SERVERS / "http_server.py"), str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            return pytest.fail("the HTTP MCP server exited")
         try:
             socket.create_connection(("127.0.0.1", port), 0.5).close()
-            break
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("the HTTP MCP server did not come up")
-            time.sleep(0.1)
+            return False
+
+    try:
+        wait_until(listening, 30, interval=0.1, message="the HTTP MCP server did not come up")
+    except AssertionError:
+        proc.kill()
+        raise
     yield f"http://127.0.0.1:{port}/mcp"
     proc.terminate()
     proc.wait(10)

@@ -12,8 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from app.service import Services
 from app.records import Annotation
 from app.store import Store
-from fake_openai import free_port
+from helpers import free_port, wait_until
 from test_training import mock_episode
 from test_ui_api import form
 
@@ -29,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, **env: str) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, start_new_session=True)
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, start_new_session=True)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -42,14 +41,13 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def wait_for(check, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
+def wait_for(check, timeout: float, proc: subprocess.Popen, log: Path):
+    """`check()`'s first truthy value; fails at once if the process exits, or after `timeout` seconds."""
+    def alive_check():
         if proc.poll() is not None:
             raise AssertionError(f"the process exited ({proc.returncode}): {log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
+        return check()
+    return wait_until(alive_check, timeout, interval=0.2, message=lambda: log.read_text()[-2000:])
 
 
 def integrity(db: Path) -> str:
@@ -61,7 +59,9 @@ def test_a_server_killed_mid_step_leaves_a_sound_database_and_an_interrupted_epi
     from gradio_client import Client
 
     db, log, port = tmp_path / "kill.db", tmp_path / "serve.log", free_port()
-    proc = start(["serve", "--db", str(db), "--port", str(port), "--host", "127.0.0.1"], log)
+    # No step computed ahead: the second step's model calls run inside the request that the kill interrupts.
+    proc = start(["serve", "--db", str(db), "--port", str(port), "--host", "127.0.0.1"], log,
+                 ENVACE_COMPUTE_AHEAD="0")
     try:
         url = f"http://127.0.0.1:{port}/"
         wait_for(lambda: _answers(url), 180, proc, log)
@@ -72,8 +72,10 @@ def test_a_server_killed_mid_step_leaves_a_sound_database_and_an_interrupted_epi
         store = Store(db)
         [row] = store.list_episodes()
         assert row["n_steps"] == 1 and row["status"] == "running"
-        threading.Thread(target=lambda: _quietly(client.predict, **values, api_name="/step"), daemon=True).start()
-        time.sleep(1)  # the second step is deciding: a K=4 step takes about 4 s (bench/results/step_latency.json)
+        second = client.submit(**values, api_name="/step")
+        # In flight: the callback has sent its "Working…" view, which it yields just before the step's model
+        # calls (a K=4 step takes seconds); the assertions below (one stored step) prove it had not finished.
+        wait_for(lambda: any("Working" in str(out[0]) for out in second.outputs()), 120, proc, log)
     finally:
         kill(proc)
     assert integrity(db) == "ok"
@@ -92,13 +94,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _quietly(fn, *args, **kwargs) -> None:
-    try:
-        fn(*args, **kwargs)
-    except Exception:
-        pass  # the server is gone: that is the point
-
-
 def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> None:
     db, log, out = tmp_path / "ft.db", tmp_path / "ft.log", tmp_path / "adapters" / "killed"
     store = Store(db)
@@ -109,8 +104,8 @@ def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> No
     proc = start(["finetune", "--db", str(db), "--steps", "10000", "--out", str(out), "--parent", "none",
                   "--no-agreement"], log)
     try:
-        wait_for(lambda: "step" in log.read_text().lower() or "train" in log.read_text().lower(), 240, proc, log)
-        time.sleep(5)  # well inside the 10,000 steps
+        # Killed once two optimizer steps are done (tqdm's "n/10000" on stderr): mid-training, far from the end.
+        wait_for(lambda: max(map(int, re.findall(r"(\d+)/10000", log.read_text())), default=0) >= 2, 240, proc, log)
     finally:
         kill(proc)
     assert integrity(db) == "ok"

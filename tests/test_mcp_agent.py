@@ -6,7 +6,7 @@ from app import envs
 from app.config import resolve_adapter
 from app.engine import EpisodeRunner
 from app.records import RunSettings
-from test_envs_mcp import need_servers
+from helpers import need_servers
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from app import envs
 from app.envs import mcp_tasks
 from app.envs.bfcl_tasks import parse_call_string
 from app.eval.evaluation import resolve_tasks
-from test_envs_mcp import need_servers
+from helpers import need_servers
 
 ROOT = mcp_tasks.TASKS_DIR.parents[1]
 

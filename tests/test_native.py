@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model_backend import GenerationConfig, load_policy, native
-from model_backend import decoding, fast_step
+from model_backend import decoding, fast_step, kv_cache
 from model_backend.loading import quantize_linears
 from test_fast_step import assert_same_function, decode_logits, user
 
@@ -170,7 +170,7 @@ def test_the_cache_after_native_decode_steps_is_the_torch_steps(built: None, mon
 def test_a_layer_written_in_place_shows_its_new_length_whichever_view_is_set_first() -> None:
     """After the one-call decode writes keys and values into a layer's buffers (`wrote`), its views are made when
     read; setting one of the pair (as `append` and `update` do, keys first) leaves the other view current."""
-    layer = decoding._GrowingLayer()
+    layer = kv_cache.GrowingLayer()
     layer.append(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
     written = torch.randn(1, 2, 1, 4)
     layer._k[..., 3:4, :], layer._v[..., 3:4, :] = written, written + 1  # what the C call does

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -72,10 +71,8 @@ def test_adapter_is_refused_for_a_server() -> None:
 
 def test_unreachable_url_is_one_clear_error() -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"
-    started = time.perf_counter()
     with pytest.raises(RemoteUnavailableError, match="cannot reach .* after 3 attempts.*is the server running"):
         remote(url)
-    assert time.perf_counter() - started < 10
 
 
 def test_unreachable_url_from_the_cli(tmp_path: Path) -> None:

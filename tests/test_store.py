@@ -1,7 +1,6 @@
 import sqlite3
 import subprocess
 import threading
-import time
 
 import pytest
 
@@ -135,10 +134,17 @@ def test_a_writer_that_holds_the_lock_briefly_is_waited_for(tmp_path):
     ep = make_episode(1)
     blocker = sqlite3.connect(path, check_same_thread=False)
     blocker.execute("BEGIN IMMEDIATE")
-    threading.Timer(1.0, blocker.rollback).start()  # another writer, done after a second
-    started = time.monotonic()
-    Recorder(store)(ep, ep.steps[0])  # waits on the busy timeout, then writes
-    assert time.monotonic() - started >= 0.9
+    releasing = threading.Event()
+
+    def release() -> None:  # another writer, done after a second
+        releasing.set()  # before the rollback: once the lock is gone, this is already set
+        blocker.rollback()
+
+    threading.Timer(1.0, release).start()
+    recorder = Recorder(store)
+    recorder(ep, ep.steps[0])  # waits on the busy timeout, then writes
+    assert releasing.is_set()  # it returned only after the other writer let go
+    assert recorder.pending == [] and recorder.last_error is None  # written, not kept back as locked
     assert [s.index for s in store.get_episode("ep1").steps] == [0]
 
 

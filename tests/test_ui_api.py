@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import re
 import sys
-import time
+import threading
 
 import pytest
 from gradio_client import Client
+from helpers import gradio_queue_idle, wait_until
 from scripted import ScriptedPolicy
 
 from app.ui import SWITCH_INTERVAL_S, build_demo
@@ -19,14 +20,16 @@ from app.ui import constants as C
 LS = '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'
 PWD = '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>'
 MKDIR = '<tool_call>{"name": "mkdir", "arguments": {"dir_name": "temp"}}</tool_call>'
-SLOW_S = 1.5
+ACTING, RELEASE = threading.Event(), threading.Event()
 
 
 class SlowPolicy(ScriptedPolicy):
-    """Takes a while to act, so that a second Step can arrive while the first works."""
+    """Acts only once the test lets it (RELEASE), saying when it has started (ACTING), so that a second Step
+    surely arrives while the first works."""
 
     def act(self, prompt, k, config):
-        time.sleep(SLOW_S)
+        ACTING.set()
+        assert RELEASE.wait(60), "the test never released the step"
         return super().act(prompt, k, config)
 
 
@@ -143,12 +146,18 @@ def test_bad_input_is_answered_and_nothing_is_written(app, overrides, expected):
 
 def test_two_steps_at_once_one_is_refused(app):
     c = client(app)
-    first = c.submit(**form(model="slow"), api_name="/step")
-    time.sleep(SLOW_S / 3)
-    second = c.submit(**form(model="slow"), api_name="/step")
-    messages = sorted([first.result()[0], second.result()[0]])
-    assert "A step is already running in this session" in messages[-1]
-    assert "ea-msg-error" not in messages[0]
+    ACTING.clear(), RELEASE.clear()
+    try:
+        first = c.submit(**form(model="slow"), api_name="/step")
+        wait_until(ACTING.is_set, 60, message="the first step never reached the policy")
+        assert not gradio_queue_idle(app[0])  # the helper the browser tests wait on sees the running step
+        refused = c.submit(**form(model="slow"), api_name="/step").result()[0]  # answered while the first acts
+    finally:
+        RELEASE.set()
+    assert "A step is already running in this session" in refused and "ea-msg-error" in refused
+    done = first.result()[0]
+    assert "ea-msg-error" not in done and "already running" not in done
+    wait_until(lambda: gradio_queue_idle(app[0]), 30, message="the queue kept a finished step")
 
 
 def test_sessions_do_not_see_each_others_runs(app):
@@ -207,8 +216,13 @@ def test_traces_list_open_replay_and_compare(app):
     assert ids[1] in status and "Step 0 ·" in cards
     chat, cards, state = c.predict(1, api_name="/replay_step")
     assert "Step 1 ·" in cards
+    # The scripted policy commits ls() at every step in either mode: the same actions, nothing marked.
     html = c.predict(ids[0], ids[1], api_name="/compare_episodes")
-    assert "ea-first-diff" in html or "same actions" in html
+    assert "They commit the same actions at every step." in html and "ea-first-diff" not in html
+    c.predict(**form(), api_name="/reset")
+    short = c.predict(**form(task="mock:kv", mode="none"), api_name="/step")[1].split("`")[1]  # one step only
+    html = c.predict(ids[0], short, api_name="/compare_episodes")
+    assert "First difference at step 1." in html and html.count("ea-first-diff") == 1
 
 
 def test_traces_export_then_import_and_bad_files(app, tmp_path, monkeypatch):

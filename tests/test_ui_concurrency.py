@@ -4,11 +4,13 @@ pressing Step twice at once, with the real embedded model behind Gradio's queue.
 Checked: each page shows only its own episode; every episode in SQLite is complete (steps
 numbered without gaps, one committed branch per step); a second press while a step runs is
 refused or queued, never a second episode. Queue waits (time from the press to the step's
-result, less the step's own duration) go to bench/results/reliability.json.
+result, less the step's own duration) are printed; `make reliability` records them in
+bench/results/reliability.json ($ENVACE_RELIABILITY_JSON; the test writes no tracked file otherwise).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import threading
@@ -21,16 +23,17 @@ from app import envs
 from app.config import shipped_adapter
 from app.ui import build_demo
 from browser import launch
+from helpers import gradio_queue_idle, wait_until
 from app.ui import constants as C
 
 CONTEXTS = 8
 STEPS = 1
-RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "reliability.json"
+RESULTS = os.environ.get("ENVACE_RELIABILITY_JSON")  # set by `make reliability`
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-def drive(url: str, task_id: str, out: dict, errors: list) -> None:
+def drive(demo, url: str, task_id: str, out: dict, errors: list) -> None:
     """One person: open the page, pick a task, small budgets, press Step twice at once, wait."""
     from playwright.sync_api import expect, sync_playwright
 
@@ -60,10 +63,13 @@ def drive(url: str, task_id: str, out: dict, errors: list) -> None:
                     step.click()  # an impatient second press while the first step runs
                 expect(status).to_contain_text(f", {n} step(s)", timeout=600_000)
                 latencies.append(time.monotonic() - pressed)
-            text = ""
-            while text != status.inner_text():  # a queued extra press may still be running: let it land
-                text = status.inner_text()
-                page.wait_for_timeout(4000)
+            # A queued extra press runs to its end first: once Gradio's queue is empty, the page shows as many
+            # steps as the store holds for its episode.
+            wait_until(lambda: gradio_queue_idle(demo), 600, interval=0.5, message="the queue never emptied")
+            episode = re.search(r"Episode\s+`?(\w+)", status.inner_text()).group(1)
+            expect(status).to_contain_text(f", {len(demo.services.store.get_episode(episode).steps)} step(s)",
+                                           timeout=120_000)
+            text = status.inner_text()
             out[task_id] = {"episode": re.search(r"Episode\s+`?(\w+)", text).group(1),
                             "shown_steps": int(re.search(r"(\d+) step\(s\)", text).group(1)),
                             "latencies": latencies}
@@ -80,7 +86,7 @@ def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -
     out: dict = {}
     errors: list = []
     try:
-        threads = [threading.Thread(target=drive, args=(url, t, out, errors)) for t in tasks]
+        threads = [threading.Thread(target=drive, args=(demo, url, t, out, errors)) for t in tasks]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -89,7 +95,7 @@ def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -
         wall = time.monotonic() - started
     finally:
         demo.close()
-    assert errors == []
+    assert errors == [], "\n".join(errors)
     store = demo.services.store
     rows = store.list_episodes()
     assert sorted(r["task_id"] for r in rows) == sorted(tasks)  # one episode per person: no double press made two
@@ -108,8 +114,9 @@ def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -
                "step_s_p50": round(statistics.median(durations), 2),
                "queue_wait_s_p50": round(statistics.median(waits), 2),
                "queue_wait_s_p95": round(waits[int(0.95 * (len(waits) - 1))], 2)}
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data["concurrent_sessions"] = figures
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
     print(figures)
+    if RESULTS:
+        path = Path(RESULTS)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data["concurrent_sessions"] = figures
+        path.write_text(json.dumps(data, indent=2) + "\n")

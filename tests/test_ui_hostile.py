@@ -50,6 +50,7 @@ def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_pat
             browser = launch(p)
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             page.set_default_timeout(60_000)
+            expect.set_options(timeout=60_000)  # a step on a loaded machine can take more than expect's 5 s
             dialogs: list[str] = []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.goto(url)
@@ -97,12 +98,13 @@ def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_pat
             assert_inert(page, dialogs)
 
             page.get_by_role("tab", name="Fine-tune").click()  # its preview lists the corrected branch
-            page.wait_for_timeout(2500)
+            expect(page.get_by_text(f"Rehearse row(s) (episodes: {episode_id})")).to_be_visible()
+            expect(page.get_by_label("Branches to train on")).to_contain_text(episode_id)
             assert_inert(page, dialogs)
 
             page.get_by_role("tab", name="Dashboard").click()
             page.get_by_role("button", name="Refresh").click()
-            page.wait_for_timeout(1500)
+            expect(page.locator(".js-plotly-plot").filter(visible=True).first).to_be_visible()
             assert_inert(page, dialogs)
             browser.close()
     finally:
