@@ -19,8 +19,8 @@ MAX_GAP_WORDS = 6
 ("No such user: No such group: No such ..."); real text that mentions a phrase again later is not a loop."""
 
 
-def repeated_phrase(text: str) -> str | None:
-    """The first two-word phrase that `text` repeats more than `MAX_REPEATS` times in a row, or None."""
+def repeated_phrase(text: str, max_repeats: int = MAX_REPEATS) -> str | None:
+    """The first two-word phrase that `text` repeats more than `max_repeats` times in a row, or None."""
     words = _WORD.findall(text.lower())
     runs: dict[str, tuple[int, int]] = {}  # phrase -> (last position, repeats in the current run)
     for i, (a, b) in enumerate(zip(words, words[1:])):
@@ -30,7 +30,7 @@ def repeated_phrase(text: str) -> str | None:
         last, run = runs.get(phrase, (-100, 0))
         run = run + 1 if i - last - 2 <= MAX_GAP_WORDS else 1
         runs[phrase] = (i, run)
-        if run > MAX_REPEATS:
+        if run > max_repeats:
             return phrase
     return None
 

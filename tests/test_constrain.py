@@ -21,6 +21,7 @@ from app.formats import (ACT_MAX_STRING, ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN
 from app.records import Call
 from app.training.rows import expert_episode
 from model_backend.base import Constraint, GenerationConfig, Prompt
+from model_backend.loops import repeated_phrase
 
 HELDOUT = envs.list_tasks("multi_turn_base", "heldout")
 TRAIN = envs.list_tasks("multi_turn_base", "train")
@@ -170,9 +171,12 @@ def test_a_rehearsal_string_that_loops_or_nears_the_budget_is_closed(tokenizer: 
         allowed = m.allowed(len(tokenizer)).nonzero().flatten().tolist()
         return all(set(tok) <= set('"}]') for tok in tokenizer.convert_ids_to_tokens(allowed))
 
-    looping = fed('{"error": "mkdir: No such dir: No such user: No such group: No such file: No such')
+    # Closed at the fourth repeat, so the closed string never counts as a loop (more than four).
+    text = '{"error": "mkdir: No such dir: No such user: No such group: No such'
+    looping = fed(text)
     assert only_closers(looping) and looping.closed == 1
-    assert not only_closers(fed('{"error": "mkdir: No such dir: No such user'))  # not a loop yet
+    assert repeated_phrase(text) is None and repeated_phrase(text + " file: No such") == "no such"
+    assert not only_closers(fed('{"error": "mkdir: No such dir: No such user: No such'))  # three: not yet
     near = fed('{"error": "mkdir: cannot')
     assert not only_closers(near)
     near.consumed, near.budget = 100, 100 + CLOSE_MARGIN  # as many tokens left as closing may need
