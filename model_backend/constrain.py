@@ -101,9 +101,9 @@ def _closing_tokens(tokenizer: Any) -> torch.Tensor:
 class RowMatcher:
     """The grammar state of one decoded row: which tokens may come next, fed token by token.
 
-    With `Constraint.close_strings` (Rehearse), a string that starts to loop (a phrase at its `MAX_REPEATS`-th repeat in a
-    row, `loops.repeated_phrase`) is closed
-    and, `CLOSE_MARGIN` tokens before `budget`, the whole value is: where the grammar allows a closing token
+    With `Constraint.close_strings` (Rehearse), a string that starts to loop (a phrase at its `MAX_REPEATS`-th
+    repeat in a row, `loops.repeated_phrase`) is closed and, `CLOSE_MARGIN` tokens before `budget`, the whole
+    value is: where the grammar allows a closing token
     (`"`, `}`, `]`) only those are allowed, so the prediction ends as valid JSON instead of being cut off.
     """
 
