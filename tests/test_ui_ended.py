@@ -118,5 +118,7 @@ def test_the_end_reason_the_discard_question_and_the_task_search_read_in_the_bro
     finally:
         demo.close()
     assert [r["id"] for r in store.list_episodes()] != [] and stopped not in [r["id"] for r in store.list_episodes()]
-    assert "Complete" in announced  # the announcer spoke (the check below is not vacuous)
+    # The announcer spoke (so the check below is not vacuous); whether it says "Complete" depends on how fast the
+    # events finish (a loaded clean-clone run heard only "Loading"), so that word is not required.
+    assert announced
     assert not [text for text in announced if "common." in text], announced
