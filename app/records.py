@@ -212,7 +212,7 @@ class RunSettings(BaseModel):
     """How the K candidates differ (`app.engine.proposals`): `sample`, the greedy action plus K-1 sampled at
     the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
     first. `sample` stays the default (cheaper per step); with tool relevance on, `tools` at K=2 measured best on the
-    card's held-out protocol, 5 turns of 48 against none's 4 (README, Training)."""
+    card's held-out protocol, 5 turns of 48 against none's 4 (docs/HISTORY.md)."""
     relevance: float = Field(0.0, ge=0.0, le=4.0)
     """Weight of the noisy-channel score log P(request | tool) in the step's tool ranking (`app.engine.proposals`);
     0 leaves the tool to the greedy action."""

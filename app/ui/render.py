@@ -152,7 +152,7 @@ METRIC_HELP = {
     "surprise": "mean negative log-likelihood per token of the actual response under the Rehearse role "
                 "(0 = the model expected it exactly; higher = more surprised)",
 }
-"""Tooltips of the card's metric names (one text for the UI and the README)."""
+"""Tooltips of the card's metric names (one text for the UI and the docs)."""
 
 
 def _metric(name: str, value: str) -> str:
