@@ -12,6 +12,8 @@ from app.envs.bfcl_tasks import parse_call_string
 from app.eval.evaluation import resolve_tasks
 from helpers import need_servers
 
+pytestmark = pytest.mark.mcp
+
 ROOT = mcp_tasks.TASKS_DIR.parents[1]
 
 

@@ -15,6 +15,8 @@ from model_backend import decoding, fast_step, kv_cache
 from model_backend.loading import quantize_linears
 from decode_check import assert_same_function, decode_logits, user
 
+pytestmark = pytest.mark.native
+
 
 def torch_lean(model: Any, cache: Any) -> Any:
     return fast_step.lean_step(model, cache, native_enabled=False)
