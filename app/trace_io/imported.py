@@ -107,8 +107,17 @@ class TraceBuilder:
         self.turns[-1].append({"role": "user", "content": text})
 
     def tool(self, tool: TraceTool) -> None:
-        """A declared tool (the first declaration of a name wins)."""
-        self.tools.setdefault(tool.name, tool)
+        """A declared tool (the first declaration of a name wins). A property whose schema is `null` (what a
+        datasets/Arrow export writes for another tool's property) is not a schema: left out, and said."""
+        if tool.name in self.tools:
+            return
+        props = (tool.parameters or {}).get("properties")
+        if isinstance(props, dict) and any(v is None for v in props.values()):
+            dropped = sorted(k for k, v in props.items() if v is None)
+            tool = tool.model_copy(update={"parameters": {**tool.parameters, "properties": {
+                k: v for k, v in props.items() if v is not None}}})
+            self.note(f"tool {tool.name}: the schema of {', '.join(dropped)} is null (not a schema), left out")
+        self.tools[tool.name] = tool
 
     def call(self, name: str, arguments: Any, call_id: str | None = None, *, text: str = "",
              created_at: str | None = None, turn: int | None = None) -> Branch:

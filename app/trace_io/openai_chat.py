@@ -31,8 +31,13 @@ def _text(content: Any) -> str:
 def _record(value: Any, where: str, file: str) -> Episode:
     if not isinstance(value, dict) or not isinstance(value.get("messages"), list):
         raise TraceFileError(f"{where}: not a chat transcript (expected an object with a \"messages\" list)")
-    b = TraceBuilder(format="openai", file=file, trace_id=where)
+    b = TraceBuilder(format="openai", file=file, trace_id=where, task_name=f"openai/{file or 'chat'}#{where.split()[-1]}")
     tools = value.get("tools") or []
+    if isinstance(tools, str):  # TRL's advice for datasets: the tools as one JSON string
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise TraceFileError(f"{where}: \"tools\" is a string but not JSON") from None
     if not isinstance(tools, list):
         raise TraceFileError(f"{where}: \"tools\" is not a list")
     for i, t in enumerate(tools):
