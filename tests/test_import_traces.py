@@ -26,6 +26,7 @@ from tests.scripted import ScriptedPolicy
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "third_party"
 OPENAI = FIXTURES / "openai_chat.jsonl"
 SMOLAGENTS = FIXTURES / "smolagents_openinference.jsonl"
+SMOLAGENTS_GENAI = FIXTURES / "smolagents_genai.jsonl"
 
 
 def _episodes(path: Path, fmt: str):
@@ -79,7 +80,23 @@ def test_smolagents_openinference_spans_become_episodes() -> None:
     assert failed.actual_error is True and "unknown city 'Atlantis'" in failed.actual["error"]
 
 
-@pytest.mark.parametrize("path,fmt", [(OPENAI, "openai"), (SMOLAGENTS, "otlp")])
+def test_openai_v2_genai_spans_keep_the_calls_and_say_what_is_missing() -> None:
+    episodes = _episodes(SMOLAGENTS_GENAI, "otlp")
+    # Only the openai client was instrumented: each chat completion is a trace of its own, one decided call each.
+    calls = [(ep.steps[0].chosen_branch.call.name, ep.steps[0].chosen_branch.call.arguments) for ep in episodes]
+    assert sorted(calls, key=str) == sorted([("get_weather", {"city": "Paris"}), ("to_fahrenheit", {"celsius": 18}),
+                                             ("final_answer", {"answer": "Cloudy, 64.4 F"}),
+                                             ("get_weather", {"city": "Atlantis"}),
+                                             ("final_answer", {"answer": "I could not find Atlantis."})], key=str)
+    for ep in episodes:
+        b = ep.steps[0].chosen_branch
+        assert ep.model == "scripted-stand-in" and len(ep.steps) == 1
+        assert b.actual is None and b.not_executed == NO_RECORDED_RESPONSE
+        assert "step 0: no result recorded for " + b.call.name in ep.trace.missing
+        assert "the content of some user messages is not recorded" in ep.trace.missing and ep.trace.turns == []
+
+
+@pytest.mark.parametrize("path,fmt", [(OPENAI, "openai"), (SMOLAGENTS, "otlp"), (SMOLAGENTS_GENAI, "otlp")])
 def test_round_trip_import_export_import_gives_the_same_episodes(path: Path, fmt: str, tmp_path: Path) -> None:
     store = Store(tmp_path / "a.db")
     import_records(store, read_foreign(path, fmt))

@@ -189,13 +189,20 @@ def _oi_messages(attrs: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
             m["parts"][int(rest.split(".")[2])] = value
         elif rest.startswith("message.tool_calls."):
             j = int(rest.split(".")[2])
-            m["tool_calls"].setdefault(j, {})[rest.split(".", 4)[4]] = value
+            m["tool_calls"].setdefault(j, {})[rest.split(".", 3)[3]] = value  # e.g. tool_call.function.name
     out = []
     for i in sorted(found):
         m = found[i]
         text = m["text"] or "".join(str(m["parts"][j]) for j in sorted(m["parts"]))
-        out.append({"role": m["role"], "text": text, "tool_calls": [m["tool_calls"][j] for j in sorted(m["tool_calls"])]})
+        calls = [{"id": c.get("tool_call.id"), "name": c.get("tool_call.function.name"),
+                  "arguments": c.get("tool_call.function.arguments", "")} for j, c in sorted(m["tool_calls"].items())]
+        out.append({"role": _role(m["role"]), "text": text, "tool_calls": calls})
     return out
+
+
+def _role(role: Any) -> str:
+    """A message's role, `MessageRole.USER` (a framework's enum written as text) read as `user`."""
+    return str(role or "").rsplit(".", 1)[-1].lower()
 
 
 def _genai_messages(value: Any) -> list[dict[str, Any]]:
@@ -211,7 +218,7 @@ def _genai_messages(value: Any) -> list[dict[str, Any]]:
         else:
             text = m.get("content") if isinstance(m.get("content"), str) else ""
             calls = m.get("tool_calls") or []
-        out.append({"role": m.get("role", ""), "text": text, "tool_calls": calls})
+        out.append({"role": _role(m.get("role")), "text": text, "tool_calls": calls})
     return out
 
 
@@ -266,6 +273,8 @@ def _episode(trace_id: str, spans: list[SpanView], file: str) -> Episode:
     root = next((s for s in spans if "envace.episode.id" in s.attrs), None)
     b = TraceBuilder(format="otlp", file=file, trace_id=trace_id, created_at=_iso(spans[0].start_ns))
     seen_users = 0
+    decided: list[tuple[str | None, str, Any]] = []
+    """Calls a model span's output made, awaiting the tool span that ran them: (call id, tool name, branch)."""
     for s in spans:
         _tools_of(s, b)
     for s in spans:
@@ -283,11 +292,18 @@ def _episode(trace_id: str, spans: list[SpanView], file: str) -> Episode:
                     params = {"type": "object", "properties": params}  # OpenInference writes the properties only
                 b.tool(TraceTool(name=name, description=s.text("tool.description") or "",
                                  parameters=params if isinstance(params, dict) else None))
-            arguments = _tool_arguments(s)
-            if arguments is None:
-                arguments = ""
-                b.note(f"{s.where}: the arguments of {name} are not recorded")
-            branch = b.call(name, arguments, created_at=created, turn=turn)
+            call_id = s.text("gen_ai.tool.call.id") or s.text("tool_call.id")
+            match = next((d for d in decided if call_id and d[0] == call_id), None) or \
+                next((d for d in decided if d[1] == name and not (call_id and d[0])), None)
+            if match is not None:  # the call a model span decided: this span is its execution
+                decided.remove(match)
+                branch = match[2]
+            else:
+                arguments = _tool_arguments(s)
+                if arguments is None:
+                    arguments = ""
+                    b.note(f"{s.where}: the arguments of {name} are not recorded")
+                branch = b.call(name, arguments, created_at=created, turn=turn)
             if root is not None:  # our own export: the step exactly as it was recorded
                 branch.action_text = s.text("envace.step.action_text") or branch.action_text
                 branch.parse_error = s.text("envace.step.parse_error") or branch.parse_error
@@ -307,6 +323,9 @@ def _episode(trace_id: str, spans: list[SpanView], file: str) -> Episode:
         if not b.system and isinstance(instructions, list):
             b.system = "".join(str(p.get("content", "")) for p in instructions if isinstance(p, dict))
         users = [m["text"] for m in inputs if m["role"] == "user"]
+        if any(not u for u in users):
+            b.note("the content of some user messages is not recorded")
+            users = [u for u in users if u]
         if not b.system:
             b.system = next((m["text"] for m in inputs if m["role"] == "system"), "")
         if root is None:
@@ -318,6 +337,12 @@ def _episode(trace_id: str, spans: list[SpanView], file: str) -> Episode:
         for m in outputs:
             if m["role"] in ("assistant", "") and m["text"] and not m["tool_calls"]:
                 b.answer(m["text"], created_at=created, turn=turn)
+            for tc in m["tool_calls"]:
+                name = tc.get("name") if isinstance(tc, dict) else None
+                if not isinstance(name, str) or not name:
+                    raise TraceFileError(f"{s.where}: a tool call in the model's output names no tool")
+                call_id = tc.get("id") if isinstance(tc.get("id"), str) else None
+                decided.append((call_id, name, b.call(name, tc.get("arguments", ""), created_at=created, turn=turn)))
     if root is not None:
         _identity_in(b, root)
     elif not any(b.turns):
