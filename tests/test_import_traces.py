@@ -247,7 +247,7 @@ def test_a_64_mib_upload_is_refused_by_its_size_before_reading(tmp_path: Path, m
 
 
 def test_the_traces_tab_upload_imports_and_refuses(tmp_path: Path) -> None:
-    from app.service import Services
+    from app.service import RunSession, Services
     from app.ui.traces_callbacks import TracesCallbacks
 
     services = Services(str(tmp_path / "ui.db"), lambda model, adapter: None, compute_ahead=False)
@@ -262,6 +262,8 @@ def test_the_traces_tab_upload_imports_and_refuses(tmp_path: Path) -> None:
     ep = services.store.get_episode(services.store.list_episodes()[0]["id"])
     opened = cb.open_episode(ep.id)
     assert opened[1].id == ep.id and "get_weather" in opened[5]
+    said = cb.continue_episode(ep.id, RunSession(), [])[0]  # Continue: refused, with the reason
+    assert "imported trace: it cannot be continued" in said
     path, message = cb.export_listed_otlp([[r["id"]] for r in services.store.list_episodes()])
     assert "Exported 2 episode(s)" in message and len(parse_otlp(Path(path).read_bytes())) == 2
 
