@@ -220,20 +220,30 @@ def test_a_truncated_span_file_is_refused_with_its_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mutate,message", [
-    (lambda d: d.replace('"traceId": "', '"traceId": "zz', 1), "is not hex"),
-    (lambda d: d.replace('"spans"', '"spanz"', 1), "not OTLP/JSON"),
-    (lambda d: d.replace('"gen_ai.tool.name"', '"x.tool"', 1).replace('"gen_ai.operation.name": "execute_tool"', '"y": 1', 1),
-     None),
+    (lambda d: d.replace('"traceId": "', '"traceId": "zz', 1), "line 1: traceId 'zz0af7651916cd43dd8448eb211c80319c' is not hex"),
+    (lambda d: d.replace('"spans"', '"spanz"', 1), "line 1: not OTLP/JSON"),
+    (lambda d: d.replace('{"key": "gen_ai.tool.name", "value": {"stringValue": "lookup"}}, ', ""),
+     "line 1, span 00f067aa0ba902b7: a tool span without a tool name"),
+    (lambda d: d.replace('"resourceSpans"', '"resources"'), "line 1: not an OTLP trace export"),
 ])
-def test_malformed_otlp_is_refused(mutate, message) -> None:
-    text = _genai_file().decode().replace('"key": "gen_ai.tool.name"', '"key": "gen_ai.tool.name"')
-    if message is None:  # a tool span named as such but without a tool name
-        bad = text.replace('{"key": "gen_ai.tool.name", "value": {"stringValue": "lookup"}}, ', "")
-        with pytest.raises(TraceFileError, match="span 00f067aa0ba902b7: a tool span without a tool name"):
-            parse_foreign(bad.encode(), "otlp")
-        return
-    with pytest.raises(TraceFileError, match=message):
-        parse_foreign(mutate(text).encode(), "otlp")
+def test_malformed_otlp_is_refused_with_its_line_and_span(mutate, message) -> None:
+    text = _genai_file().decode()
+    bad = mutate(text)
+    assert bad != text
+    with pytest.raises(TraceFileError, match=re.escape(message)):
+        parse_foreign(bad.encode(), "otlp")
+
+
+def test_imported_traces_round_trip_through_the_episodes_format(tmp_path: Path) -> None:
+    from app.trace_io import export_episodes, parse_traces
+
+    store = Store(tmp_path / "a.db")
+    import_records(store, read_foreign(OPENAI, "openai"))
+    out = tmp_path / "episodes.jsonl"
+    export_episodes(store, out)
+    back = parse_traces(out.read_bytes())
+    assert [r.episode.trace.missing for r in back] == [store.get_episode(r.episode.id).trace.missing for r in back]
+    assert all(r.episode.model_dump() == store.get_episode(r.episode.id).model_dump() for r in back)
 
 
 def test_a_64_mib_upload_is_refused_by_its_size_before_reading(tmp_path: Path, monkeypatch) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from app.records import Episode
 from app.trace_io.imported import TraceBuilder, TraceFileError, content_key, tool_from_definition
 
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _text(content: Any) -> str:
@@ -75,7 +75,7 @@ def _record(value: Any, where: str, file: str) -> Episode:
                 if call_id in b.pending:
                     raise TraceFileError(f"{where}: messages[{i}].tool_calls[{j}]: call id {call_id!r} repeats")
                 b.call(fn["name"], fn.get("arguments", ""), call_id, text=text if j == 0 else "")
-        else:  # tool (or the older `function` role, answered by name)
+        else:  # tool
             call_id = m.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in b.pending:
                 raise TraceFileError(f"{where}: messages[{i}] answers call id {call_id!r}, which no assistant "

@@ -28,7 +28,7 @@ import binascii
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
@@ -37,6 +37,8 @@ from app.formats import canonical_json
 from app.records import Episode, Metrics, TraceTool
 from app.trace_io.imported import TraceBuilder, TraceFileError, content_key, response_value, tool_from_definition
 
+UNPARSED_CALL = "(unparsed call)"
+"""`gen_ai.tool.name` of an exported step whose call did not parse (its text is in `envace.step.action_text`)."""
 SPAN_KIND_INTERNAL = 1
 STATUS_ERROR = 2
 REHEARSAL_ATTRIBUTES = ("json_valid", "exact", "field_f1", "error_agree", "surprise")
@@ -263,11 +265,6 @@ def _tools_of(s: SpanView, b: TraceBuilder) -> None:
         i += 1
 
 
-@dataclass
-class _Trace:
-    spans: list[SpanView] = field(default_factory=list)
-
-
 def _episode(trace_id: str, spans: list[SpanView], file: str) -> Episode:
     spans.sort(key=lambda s: (s.start_ns, s.end_ns))
     root = next((s for s in spans if "envace.episode.id" in s.attrs), None)
@@ -465,7 +462,7 @@ def episode_spans(ep: Episode) -> dict[str, Any]:
                 "gen_ai.output.messages": [{"role": "assistant", "parts": [{"type": "text", "content": b.action_text}],
                                             "finish_reason": "stop"}], **common})
         else:
-            name = b.call.name if b.call else _unparsed_name(b.action_text)
+            name = b.call.name if b.call else UNPARSED_CALL
             said = b.action_text.rpartition("\n")[2]
             attrs: dict[str, Any] = {
                 "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.type": "function",
@@ -492,10 +489,6 @@ def _is_hex(text: str) -> bool:
     except (binascii.Error, ValueError):
         return False
     return True
-
-
-def _unparsed_name(text: str) -> str:
-    return "(unparsed call)"
 
 
 def _error_text(actual: Any) -> str:
