@@ -333,3 +333,31 @@ def test_a_run_on_a_recorded_trace_marks_unrecorded_calls_and_refused_forks() ->
     assert b.call.arguments == {"city": "Rome"} and b.actual is None and b.actual_source is None
     assert b.not_executed == NOT_RECORDED and b.metrics.exact is None
     assert "no recorded response" in render.branch_cards(second)
+
+
+# ---------------------------------------------------------------- through the served app (the tab's upload, its API)
+
+
+def test_the_served_traces_tab_imports_an_upload_and_exports_otlp(tmp_path: Path) -> None:
+    from gradio_client import Client, handle_file
+
+    from app.ui import build_demo
+
+    demo = build_demo(db_path=str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: None)
+    _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    try:
+        c = Client(url, verbose=False)
+        said = c.predict(handle_file(str(SMOLAGENTS)), "otlp", False, api_name="/import_traces")
+        assert "Imported 2 trace(s) as episodes" in said
+        assert demo.services.store.db["episodes"].count == 2
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(OPENAI.read_text() + '{"messages": [{"role": "tool", "tool_call_id": "x", "content": "1"}]}\n')
+        said = c.predict(handle_file(str(bad)), "openai", False, api_name="/import_traces")
+        assert "Nothing was imported: line 3: messages[0] answers call id &#x27;x&#x27;" in said
+        assert demo.services.store.db["episodes"].count == 2  # the two good lines were not written either
+        ids = [r["id"] for r in demo.services.store.list_episodes()]
+        download, said = c.predict({"headers": ["id"], "data": [[i] for i in ids]}, api_name="/export_otlp")
+        assert "Exported 2 episode(s) as OTLP/JSON traces." in said
+        assert sorted(ep.id for ep in parse_otlp(Path(download).read_bytes())) == sorted(ids)
+    finally:
+        demo.close()
