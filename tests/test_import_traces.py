@@ -273,6 +273,7 @@ def test_the_traces_tab_upload_imports_and_refuses(tmp_path: Path) -> None:
     opened = cb.open_episode(ep.id)
     assert opened[1].id == ep.id and "get_weather" in opened[5]
     assert "**Imported** from `upload.jsonl` (openai" in opened[2] and "model is not recorded" in opened[2]
+    assert f"imported trace: {len(ep.steps)} recorded steps, ending with the agent's answer" in opened[2]
     said = cb.continue_episode(ep.id, RunSession(), [])[0]  # Continue: refused, with the reason
     assert "imported trace: it cannot be continued" in said
     path, message = cb.export_listed_otlp([[r["id"]] for r in services.store.list_episodes()])

@@ -193,7 +193,7 @@ class TraceBuilder:
             model=self.model or UNKNOWN_MODEL, settings=IMPORT_SETTINGS, status="finished",
             external_calls=sum(s.external_calls for s in steps), steps=steps, created_at=self.created_at,
             finished_at=steps[-1].created_at if steps else self.created_at,
-            end_reason=self.end_reason or ("answered" if last == "answer" else "stopped"),  # type: ignore[arg-type]
+            end_reason=self.end_reason or ("answered" if last == "answer" else None),  # type: ignore[arg-type]
             trace=TraceSource(format=self.format, file=self.file, trace_id=self.trace_id, system=self.system,
                               turns=self.turns, tools=list(self.tools.values()), missing=self.missing))
 
