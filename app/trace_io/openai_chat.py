@@ -98,7 +98,7 @@ def parse_openai(data: bytes, file: str = "") -> list[Episode]:
         except UnicodeDecodeError:
             raise TraceFileError(f"line {line_no}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
-            raise TraceFileError(f"line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
+            raise TraceFileError(f"line {line_no}: not JSON at column {exc.colno} ({exc.msg.removesuffix(' at').lower()})") from None
         episodes.append(_record(value, f"line {line_no}", Path(file).name))
     return episodes
 

@@ -133,7 +133,7 @@ def _parse_lines(data: bytes) -> list[SpanView]:
         try:
             value = json.loads(chunk)
         except json.JSONDecodeError as exc:
-            raise TraceFileError(f"line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
+            raise TraceFileError(f"line {line_no}: not JSON at column {exc.colno} ({exc.msg.removesuffix(' at').lower()})") from None
         if not isinstance(value, dict) or not any(k in value for k in ("resourceSpans", "resource_spans")):
             raise TraceFileError(f"line {line_no}: not an OTLP trace export (expected an object with \"resourceSpans\")")
         try:
