@@ -188,7 +188,7 @@ class TracesCallbacks:
         missing = sorted({m for r in records if r.episode.id in result.imported and r.episode.trace
                           for m in r.episode.trace.missing})
         said = f" Not recorded in the file: {'; '.join(missing[:8])}{' …' if len(missing) > 8 else ''}." if missing else ""
-        return message_html(f"Imported {len(result.imported)} trace(s) as episodes{skipped}: open one below to "
+        return message_html(f"Imported {len(result.imported)} trace(s) as episodes{skipped}: click one in the table above to "
                             f"see every recorded call with its real response.{said}")
 
     def export_listed_otlp(self, table: Any) -> tuple[Any, str]:
