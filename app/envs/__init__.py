@@ -24,6 +24,10 @@ from app.envs.tau2_check import Tau2Judge
 from app.envs import mcp_tasks
 from app.envs.mcp import MCPEnvironment, MCPServerConfig, MCPStartError
 
+# Imported traces (`app.trace_io`): ids like `trace:otlp/<trace id>`, rebuilt from their episode (`recorded_task`).
+from app.envs.recorded import RecordedEnvironment, RecordedJudge, recorded_task
+from app.records import TRACE_PREFIX
+
 SUITES: tuple[str, ...] = ("bfcl", "mock", "tau2", "mcp")
 
 
@@ -71,7 +75,10 @@ def make_env(task: Task) -> Environment:
     """A fresh environment for the task, at turn 0 (every kind also has `set_turn(turn)`).
 
     An MCP environment runs a server process: close it (`env.close()`) when done; garbage
-    collection and interpreter exit close it too."""
+    collection and interpreter exit close it too. An imported trace's task (`recorded_task`) answers from its
+    recording."""
+    if task.id.startswith(TRACE_PREFIX):
+        return RecordedEnvironment.from_task(task)
     if _suite(task.id) == "tau2":
         return Tau2Environment.from_task(task)
     if _suite(task.id) == "mcp":
@@ -81,6 +88,8 @@ def make_env(task: Task) -> Environment:
 
 def make_judge(task: Task) -> ReplayJudge | Tau2Judge | mcp_tasks.MCPJudge:
     """A fresh per-episode judge for the task (`check_turn(turn_index, env, executed)`)."""
+    if task.id.startswith(TRACE_PREFIX):
+        return RecordedJudge(task)
     if _suite(task.id) == "tau2":
         return Tau2Judge(task)
     if _suite(task.id) == "mcp":
@@ -128,6 +137,8 @@ __all__ = [
     "MockEnvironment",
     "MockJudge",
     "READ_ONLY_TOOLS",
+    "RecordedEnvironment",
+    "RecordedJudge",
     "Tau2Environment",
     "Tau2Judge",
     "Task",
@@ -138,6 +149,7 @@ __all__ = [
     "make_judge",
     "mock_task",
     "parse_call_string",
+    "recorded_task",
     "replay_ground_truth",
     "task_group",
     "tool_names",

@@ -337,7 +337,18 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
             f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}"
-            + (f"  \n**Ended:** {md_text(ended)}" if ended else "") + (f"  \n{note}" if note else ""))
+            + (f"  \n**Ended:** {md_text(ended)}" if ended else "") + trace_source_line(ep)
+            + (f"  \n{note}" if note else ""))
+
+
+def trace_source_line(ep: Episode) -> str:
+    """An imported trace's origin and what its file did not record (empty for an episode run here)."""
+    src = ep.trace
+    if src is None:
+        return ""
+    missing = "; ".join(src.missing) if src.missing else "nothing"
+    return (f"  \n**Imported** from {md_code(src.file or '(upload)')} ({src.format}, {md_text(src.trace_id)}) · "
+            f"{len(src.tools)} tool(s) · **not recorded:** {md_text(missing)}")
 
 
 def ahead_line(status: AheadStatus) -> str:
