@@ -268,6 +268,9 @@ class Episode(BaseModel):
     end_reason: EndReason | None = None
     """Why it ended (None while running, and in traces recorded before it was kept: `engine.report.end_reason_text`
     then tells from its status and steps)."""
+    source_episode: str | None = None
+    """A rehearsal of a recorded episode (`app.engine.trace_rehearsal`): the id of the episode whose recorded calls
+    this model predicted, teacher-forced on its recorded history; None for an episode that ran."""
 
     @field_validator("settings", mode="before")
     @classmethod
