@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli.common import UserError, is_model_failure, load_policy_or_fail
+from app.cli.common import UserError, load_policy_or_fail
 from app.config import DEFAULT_MODEL, default_db_path, resolve_adapter
 
 
@@ -91,12 +91,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
                                    remember=store.add_transitions, progress=progress, seed=args.seed,
                                    max_rehearsal_tokens=args.max_rehearsal_tokens)
     except (InputError, StoreError, ValueError) as exc:
-        raise UserError(f"{str(exc).splitlines()[0]} (nothing more was written)") from None
-    except RuntimeError as exc:
-        if not is_model_failure(exc):
-            raise
-        raise UserError(f"the model failed: {str(exc).splitlines()[0]} (the episode it was rehearsing was not "
-                        "written)") from None
+        raise UserError(str(exc).splitlines()[0]) from None
     finally:
         bar.close()
     print(summary(result))

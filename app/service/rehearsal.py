@@ -109,8 +109,15 @@ def rehearse_episodes(store: Store, ids: list[str], policy: Any, *, model: str, 
     if progress is not None:
         progress(0, total, "starting")
     for ep, task, env in sources:
-        rehearsal = rehearse_episode(ep, task, env, policy, model=model, adapter=adapter, alternatives=alternatives,
-                                     on_call=told, **options)
+        try:
+            rehearsal = rehearse_episode(ep, task, env, policy, model=model, adapter=adapter,
+                                         alternatives=alternatives, on_call=told, **options)
+        except RuntimeError as exc:
+            if not _model_failure(exc):
+                raise
+            kept = f"; the {len(result.rehearsals)} finished before it are saved" if result.rehearsals else ""
+            raise InputError(f"The model failed while rehearsing episode {ep.id}: {str(exc).splitlines()[0]} "
+                             f"(nothing of that episode was written{kept})") from None
         if store.replace_episode(rehearsal):
             result.replaced.append(rehearsal.id)
         result.rehearsals.append(rehearsal.id)
@@ -120,6 +127,13 @@ def rehearse_episodes(store: Store, ids: list[str], policy: Any, *, model: str, 
             source_kind = "committed" if ep.model != IMPORTED_MODEL else "imported"
             result.remembered += len(remember(recorded_transitions(ep, task, task_env(task), source_kind)))
     return result
+
+
+def _model_failure(exc: BaseException) -> bool:
+    """A model server's failure (a remote error, a missing capability), not a bug of ours."""
+    import model_backend
+
+    return isinstance(exc, (model_backend.RemoteCapabilityError, model_backend.RemoteError))
 
 
 IMPORTED_MODEL = "imported"
