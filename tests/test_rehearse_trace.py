@@ -159,7 +159,7 @@ def test_bad_input_and_a_failing_model_write_nothing(store, policies, capsys):
         return {t: store.db[t].count for t in ("episodes", "steps", "branches")}
 
     before = counts()
-    assert main(["rehearse", "--db", store.path, "--episodes", f"{ONE},nope"]) == 2
+    assert main(["rehearse", "--db", store.path, "--episodes", f"{THREE},nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: no episode with id nope"
     assert main(["rehearse", "--db", store.path, "--episodes", ONE, "--model", "nonsense:x"]) == 2
@@ -207,6 +207,9 @@ def test_compare_two_adapters_per_tool_with_a_figure(store, policies, capsys):
 def test_traces_tab_rehearses_and_compares_through_the_app(store, policies):
     from app.ui import build_demo
 
+    for adapter in (SHIPPED, None):  # what the compare test rehearsed (when this test runs alone)
+        if not store.list_episodes(id=rehearsal_id(THREE, "embedded", adapter)):
+            _rehearse(store, policies[adapter], [THREE], adapter)
     demo = build_demo(db_path=store.path, policy_loader=lambda model, adapter: policies[adapter])
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
     try:
@@ -222,7 +225,8 @@ def test_traces_tab_rehearses_and_compares_through_the_app(store, policies):
         expected = compare_models(store, [THREE], parse_models("embedded,embedded@none")).disagreements
         # Greedy decoding: the shipped adapter and the bare model predicted these calls differently (the test above).
         assert expected, "the two models agreed on every call: nothing to open side by side"
-        assert picked == expected[0].key
+        assert picked["choices"] == [[d.key, d.key] for d in expected] and picked["value"] == expected[0].key
+        picked = picked["value"]
         html = c.predict(picked, api_name="/open_disagreement")
         assert f"embedded@{SHIPPED}" in html and "embedded@none" in html and html.count("ea-card-head") == 2
     finally:

@@ -142,6 +142,6 @@ def build_rehearse_section(services: Services, tab: gr.Tab) -> None:
                        api_name="rehearse_episodes").then(cb.choices, None, [episodes, compare_episodes],
                                                           api_visibility="private")
     compare_btn.click(cb.compare, [compare_episodes, models],
-                      [fidelity, figure, compare_message, disagreement, comparison], api_name="compare_models").then(
-        cb.open_disagreement, [comparison, disagreement], side_by_side, api_visibility="private")
+                      [fidelity, figure, compare_message, disagreement, comparison], api_name="compare_models")
+    # A new comparison's first disagreement (picked by `compare`) opens through the picker's change too.
     disagreement.change(cb.open_disagreement, [comparison, disagreement], side_by_side, api_name="open_disagreement")
