@@ -231,3 +231,21 @@ def test_traces_tab_rehearses_and_compares_through_the_app(store, policies):
         assert f"embedded@{SHIPPED}" in html and "embedded@none" in html and html.count("ea-card-head") == 2
     finally:
         demo.close()
+
+
+def test_all_skips_what_cannot_be_rehearsed_and_says_why(tmp_path, capsys):
+    from app.cli.main import main
+
+    store = Store(tmp_path / "a.db")
+    source = _source(1, "running")
+    store.replace_episode(source.model_copy(update={"status": "running"}))
+    answer_only = expert_episode(envs.load_task("bfcl:multi_turn_base_0"))
+    answer_only = answer_only.model_copy(update={"id": "answers", "steps": [s for s in answer_only.steps
+                                                                             if s.kind == "answer"][:1]})
+    store.replace_episode(answer_only)
+    assert main(["rehearse", "--db", store.path, "--all"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert sorted(err[:2]) == sorted([f"skipped: episode {source.id} is still running: rehearse it once it has ended",
+                                      "skipped: episode answers has no recorded tool call with a response to rehearse"])
+    assert err[2] == f"error: no episode to rehearse in {store.path}" and len(err) == 3
+    assert store.db["episodes"].count == 2

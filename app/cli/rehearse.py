@@ -63,17 +63,21 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
     from app.service.forms import InputError
     from app.service.rehearsal import (check_sources, parse_episode_ids, rehearsable_ids, rehearse_episodes,
-                                       summary)
+                                       split_rehearsable, summary)
     from app.store import StoreError
 
     store = _store(args.db)
     try:
         adapter = resolve_adapter(args.model, args.adapter)
-        ids = rehearsable_ids(store) if args.all else parse_episode_ids(args.episodes)
-        if not ids:
-            raise InputError(f"no episode to rehearse in {store.path}")
         if not 0 <= args.alternatives <= 8:
             raise InputError(f"--alternatives must be 0 to 8; got {args.alternatives}")
+        ids = parse_episode_ids(args.episodes) if not args.all else []
+        if args.all:  # every episode that can be rehearsed; the others are named and skipped
+            ids, skipped = split_rehearsable(store, rehearsable_ids(store), args.model, adapter, args.replace_annotated)
+            for line in skipped:
+                print(f"skipped: {line}", file=sys.stderr)
+            if not ids:
+                raise InputError(f"no episode to rehearse in {store.path}")
         check_sources(store, ids, args.model, adapter, args.replace_annotated)  # before the model: a typo costs nothing
     except (ValueError, InputError) as exc:
         raise UserError(str(exc)) from None

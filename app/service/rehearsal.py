@@ -56,6 +56,20 @@ def rehearsable_ids(store: Store) -> list[str]:
     return [r["id"] for r in store.find_episodes(limit=100_000) if not r.get("source_episode")]
 
 
+def split_rehearsable(store: Store, ids: list[str], model: str, adapter: str | None,
+                      replace_annotated: bool = False) -> tuple[list[str], list[str]]:
+    """`ids` split into those `check_sources` accepts and, for the others, one line each saying why not (what
+    `--all` skips)."""
+    ok, skipped = [], []
+    for episode_id in ids:
+        try:
+            check_sources(store, [episode_id], model, adapter, replace_annotated)
+            ok.append(episode_id)
+        except InputError as exc:
+            skipped.append(str(exc))
+    return ok, skipped
+
+
 def check_sources(store: Store, ids: list[str], model: str, adapter: str | None,
                   replace_annotated: bool = False) -> list[tuple[Episode, Any, Any]]:
     """(episode, task, env) per id, or InputError naming the first that cannot be rehearsed (nothing written)."""
@@ -152,4 +166,4 @@ def summary(result: RehearsalResult) -> str:
 
 
 __all__ = ["IMPORTED_MODEL", "RehearsalResult", "check_sources", "parse_episode_ids", "rehearsable_ids",
-           "rehearse_episodes", "summary"]
+           "rehearse_episodes", "split_rehearsable", "summary"]
