@@ -212,7 +212,7 @@ class RunSettings(BaseModel):
     """How the K candidates differ (`app.engine.proposals`): `sample`, the greedy action plus K-1 sampled at
     the temperature; `tools`, the greedy action plus greedy calls to the K-1 other tools the model ranks
     first. `sample` stays the default (cheaper per step); with tool relevance on, `tools` at K=2 measured best on the
-    card's held-out protocol, 5 turns of 48 against none's 4 (README, Training)."""
+    card's held-out protocol, 5 turns of 48 against none's 4 (docs/HISTORY.md)."""
     relevance: float = Field(0.0, ge=0.0, le=4.0)
     """Weight of the noisy-channel score log P(request | tool) in the step's tool ranking (`app.engine.proposals`);
     0 leaves the tool to the greedy action."""
@@ -245,6 +245,43 @@ class RunSettings(BaseModel):
         return cls(**{"constrain": False, "relevance": 0.0, "memory": "off", "keep_primary": False, **values})
 
 
+TraceFormat = Literal["openai", "otlp"]
+TRACE_FORMATS: tuple[str, ...] = get_args(TraceFormat)
+TRACE_PREFIX = "trace:"
+"""Task ids of imported traces: `trace:<format>/<name>` (`app.trace_io`); their tools and user turns are the
+episode's own (`Episode.trace`), answered by `app.envs.recorded`."""
+
+
+class TraceTool(BaseModel):
+    """A tool as an imported trace declared it."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    """JSON schema of the arguments; None when the trace did not record one (stated in `TraceSource.missing`)."""
+
+
+class TraceSource(BaseModel):
+    """What an imported trace recorded besides its calls (`app.trace_io`): where it came from, its user turns and
+    system prompt, the tools it declared, and what it did not record."""
+
+    format: TraceFormat
+    """The format it was read from: `openai` (chat JSONL) or `otlp` (OTLP/JSON spans)."""
+    file: str = ""
+    """The name of the file it was read from."""
+    trace_id: str = ""
+    """Where it was in the file: `line N` of a chat JSONL, the OpenTelemetry trace id of spans."""
+    system: str = ""
+    """The system prompt as recorded (empty when none was)."""
+    turns: list[list[dict[str, str]]] = Field(default_factory=list)
+    """User messages per turn (`{"role": "user", "content": ...}`), as `Task.turns`."""
+    tools: list[TraceTool] = Field(default_factory=list)
+    """The tools the trace declared, then those it only called (without a schema)."""
+    missing: list[str] = Field(default_factory=list)
+    """What the trace did not record, one sentence each (a tool's schema, a call's result, the agent's model):
+    stated, never guessed."""
+
+
 class Episode(BaseModel):
     """One task under one model and one rehearsal setting."""
 
@@ -268,6 +305,8 @@ class Episode(BaseModel):
     end_reason: EndReason | None = None
     """Why it ended (None while running, and in traces recorded before it was kept: `engine.report.end_reason_text`
     then tells from its status and steps)."""
+    trace: TraceSource | None = None
+    """An imported trace's own record (`app.trace_io`); None for an episode run here."""
     source_episode: str | None = None
     """A rehearsal of a recorded episode (`app.engine.trace_rehearsal`): the id of the episode whose recorded calls
     this model predicted, teacher-forced on its recorded history; None for an episode that ran."""

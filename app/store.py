@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import sqlite_utils
 
 from app.formats import canonical_call, canonical_json
-from app.records import (Annotation, Branch, Call, Episode, MemoryHit, Metrics, RunSettings, Step, Transition, TurnResult,
-                         utcnow)
+from app.records import (Annotation, Branch, Call, Episode, MemoryHit, Metrics, RunSettings, Step, TraceSource,
+                         Transition, TurnResult, utcnow)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,11 @@ ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str, "memory"
 ADDED_ANNOTATION_COLUMNS = {"corrected_action_kind": str, "corrected_predicted_set": int}
 """`corrected_predicted_set`: the corrected response is set (a JSON `null` one too, stored as SQL NULL);
 NULL in rows written before it, read as "set when the value is not null" (`Annotation`)."""
-ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str, "source_episode": str}
+ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str, "trace": str, "source_episode": str}
 """`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
 dead writer (the episode was interrupted) from a live one (another process is still at it); `end_reason`:
-`Episode.end_reason`; `source_episode`: `Episode.source_episode` (a rehearsal's recorded episode)."""
+`Episode.end_reason`; `trace`: `Episode.trace` (JSON) of an imported trace; `source_episode`:
+`Episode.source_episode` (a rehearsal's recorded episode)."""
 ADDED_STEP_COLUMNS = {"ahead_s": float}
 WRITER = f"{socket.gethostname()}:{os.getpid()}"
 """Branch columns newer than the first schema: added to an older database when it opens."""
@@ -203,6 +204,7 @@ class Store:
                    external_calls=ep.external_calls, shadow_calls=ep.shadow_calls,
                    rehearsals=ep.rehearsals, n_steps=len(ep.steps), created_at=ep.created_at,
                    finished_at=ep.finished_at, error=ep.error, end_reason=ep.end_reason,
+                   trace=_json(ep.trace.model_dump()) if ep.trace is not None else None,
                    source_episode=ep.source_episode, writer=WRITER if ep.status == "running" else None)
         row["shadow"] = int(row["shadow"])
         return row
@@ -442,6 +444,7 @@ class Store:
                 external_calls=row["external_calls"], shadow_calls=row["shadow_calls"],
                 rehearsals=row["rehearsals"], created_at=row["created_at"],
                 finished_at=row["finished_at"], error=row["error"], end_reason=row.get("end_reason"),
+                trace=TraceSource.model_validate(_unjson(row["trace"])) if row.get("trace") else None,
                 source_episode=row.get("source_episode"),
                 steps=[Step(index=s["idx"], turn=s["turn"], chosen=s["chosen"], kind=s["kind"],
                             branches=by_step.get(s["id"], []),

@@ -49,3 +49,18 @@ def need_servers() -> None:
                if not p.exists()]
     if missing:
         pytest.skip(f"MCP test servers missing ({', '.join(map(str, missing))}): run `make mcp-deps`")
+
+
+def form(**overrides):
+    """Every Run tab field, as the page sends them (the tab's defaults unless overridden)."""
+    from app.ui import constants as C
+
+    d = C.UI_DEFAULTS
+    values = dict(source=C.SOURCE_TASK, task=C.DEFAULT_TASK, instruction="", instruction_env="GorillaFileSystem",
+                  model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
+                  temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
+                  rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
+                  proposal=d["proposal"], relevance=0,  # the scripted candidates stay the test's own
+                  constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
+    values.update(overrides)
+    return values

@@ -88,3 +88,33 @@ class ScriptedPolicy(Policy):
             else:
                 out.append([-0.5] * max(1, len(c) // 4))
         return out
+
+
+# A scripted mock:kv episode (parallel K=2, logprob selector), shared by the training, fine-tune and kill tests.
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+SCRIPT = [[call("set", key="color", value="blue"), call("list_keys")], ["Stored."],
+          [call("delete", key="size")], [call("get", key="color")], ["It is blue."]]
+
+
+def mock_episode(settings: "RunSettings | None" = None, store: "Store | None" = None):
+    """Run SCRIPT on `mock:kv` to its end (recorded in `store` if given): (task, policy, episode)."""
+    from app import envs
+    from app.engine import EpisodeRunner
+    from app.records import RunSettings
+    from app.store import Recorder
+
+    task = envs.load_task("mock:kv")
+    policy = ScriptedPolicy([list(s) for s in SCRIPT], predict=lambda text: {"ok": True})
+    recorder = Recorder(store) if store is not None else None
+    runner = EpisodeRunner(task, policy, settings or RunSettings(mode="parallel", branches=2, selector="logprob"),
+                           on_step=recorder)
+    if recorder:
+        recorder.start(runner.episode)
+    runner.run_all()
+    if recorder:
+        recorder.flush(runner.episode)
+    return task, policy, runner.episode

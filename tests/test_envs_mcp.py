@@ -25,6 +25,8 @@ from app.records import RunSettings
 from helpers import free_port, need_servers, wait_until
 from scripted import ScriptedPolicy
 
+pytestmark = pytest.mark.mcp
+
 SERVERS = Path(__file__).parent / "mcp_servers"
 FAULTY = {"command": sys.executable, "args": [str(SERVERS / "faulty_server.py"), "{state}"]}
 

@@ -3,19 +3,13 @@
 when the weights change, and the ordinary forward wherever it does not apply."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
-from model_backend import GenerationConfig, ModelSpecError, Prompt, load_policy
+from model_backend import GenerationConfig, ModelSpecError, load_policy
 from model_backend import decoding, fast_step
 from model_backend.loading import weights_format
-
-
-def user(text: str, prefill: str = "") -> Prompt:
-    return Prompt([{"role": "system", "content": "You are a file system API. Reply briefly."},
-                   {"role": "user", "content": text}], prefill=prefill)
+from decode_check import assert_same_function, decode_logits, user
 
 
 @pytest.mark.parametrize("value, expected", [(None, "fp32"), ("FP32", "fp32"), (" fp16 ", "fp16")])
@@ -27,29 +21,6 @@ def test_weights_format(value: str | None, expected: str, monkeypatch: pytest.Mo
     for removed in ("int8", "int4"):  # int8 was removed (CPU-dependent arithmetic): a clear user error
         with pytest.raises(ModelSpecError, match="fp32, fp16"):
             weights_format(removed)
-
-
-def decode_logits(model: Any, seqs: list[list[int]], maker: Any, steps: int = 5) -> torch.Tensor:
-    """Logits of `steps` greedy decode steps after a (padded) prefill, through one step function."""
-    batch = len(seqs)
-    with torch.inference_mode():
-        pre = decoding.prefill(model, seqs, [1] * batch, keep=1, pad_id=2)
-        step, mask, positions = maker(model, pre.cache), pre.attention_mask, pre.next_positions
-        tokens, out = pre.logits[:, -1].argmax(-1), []
-        for _ in range(steps):
-            if pre.has_padding:
-                mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype)], dim=1)
-            logits = step(tokens[:, None], mask if pre.has_padding else None, positions[:, None])[:, -1]
-            positions = positions + 1
-            out.append(logits.clone())
-            tokens = logits.argmax(-1)
-    return torch.stack(out)
-
-
-def assert_same_function(lean: torch.Tensor, forward: torch.Tensor) -> None:
-    """Float rounding apart (fused products sum in another order), the same logits and greedy tokens."""
-    assert (lean - forward).abs().max().item() < 1e-3
-    assert torch.equal(lean.argmax(-1), forward.argmax(-1))
 
 
 @pytest.mark.slow

@@ -20,9 +20,9 @@ import pytest
 from app.service import Services
 from app.records import Annotation
 from app.store import Store
-from helpers import free_port, wait_until
-from test_training import mock_episode
-from test_ui_api import form
+from helpers import form, free_port, wait_until
+from scripted import mock_episode
+
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from app.engine import EpisodeRunner
 from app.records import RunSettings
 from helpers import need_servers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcp]
 
 # One task per server whose first step is a writing call; seed 1 samples an alternative that differs
 # from the greedy call on each (a fixed seed gives the same step every run).

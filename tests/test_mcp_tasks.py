@@ -12,6 +12,8 @@ from app.envs.bfcl_tasks import parse_call_string
 from app.eval.evaluation import resolve_tasks
 from helpers import need_servers
 
+pytestmark = pytest.mark.mcp
+
 ROOT = mcp_tasks.TASKS_DIR.parents[1]
 
 
@@ -135,7 +137,7 @@ def test_eval_on_an_mcp_task_with_the_real_best_of_k_row(tmp_path):
     from app.eval.evaluation import EvalConfig, run_eval
     from app.store import Store
     from scripted import ScriptedPolicy
-    from test_envs_mcp import call
+    from scripted import call
 
     need_servers()
     good = call("write_query", query="UPDATE users SET active = 0 WHERE name = 'Bob'")

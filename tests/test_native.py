@@ -13,7 +13,9 @@ import torch
 from model_backend import GenerationConfig, load_policy, native
 from model_backend import decoding, fast_step, kv_cache
 from model_backend.loading import quantize_linears
-from test_fast_step import assert_same_function, decode_logits, user
+from decode_check import assert_same_function, decode_logits, user
+
+pytestmark = pytest.mark.native
 
 
 def torch_lean(model: Any, cache: Any) -> Any:

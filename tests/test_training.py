@@ -22,29 +22,7 @@ from app.formats import rehearse_target
 from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
                                replay, self_training_rows)
 from model_backend.training import TrainConfig, TrainingError, save_adapter
-from scripted import ScriptedPolicy
-
-
-def call(name: str, **arguments) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-SCRIPT = [[call("set", key="color", value="blue"), call("list_keys")], ["Stored."],
-          [call("delete", key="size")], [call("get", key="color")], ["It is blue."]]
-
-
-def mock_episode(settings: RunSettings | None = None, store: Store | None = None):
-    task = envs.load_task("mock:kv")
-    policy = ScriptedPolicy([list(s) for s in SCRIPT], predict=lambda text: {"ok": True})
-    recorder = Recorder(store) if store is not None else None
-    runner = EpisodeRunner(task, policy, settings or RunSettings(mode="parallel", branches=2, selector="logprob"),
-                           on_step=recorder)
-    if recorder:
-        recorder.start(runner.episode)
-    runner.run_all()
-    if recorder:
-        recorder.flush(runner.episode)
-    return task, policy, runner.episode
+from scripted import SCRIPT, ScriptedPolicy, call, mock_episode  # noqa: F401 (shared by other tests)
 
 
 def ctx_for(policy) -> PromptContext:

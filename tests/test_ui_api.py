@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from gradio_client import Client
-from helpers import gradio_queue_idle, wait_until
+from helpers import form, gradio_queue_idle, wait_until
 from scripted import ScriptedPolicy
 
 from app.ui import SWITCH_INTERVAL_S, build_demo
@@ -56,19 +56,6 @@ def client(app) -> Client:
 def counts(app) -> dict[str, int]:
     db = app[0].services.store.db
     return {t: db[t].count for t in ("episodes", "steps", "branches", "annotations")}
-
-
-def form(**overrides):
-    """Every Run tab field, as the page sends them (the tab's defaults unless overridden)."""
-    d = C.UI_DEFAULTS
-    values = dict(source=C.SOURCE_TASK, task=C.DEFAULT_TASK, instruction="", instruction_env="GorillaFileSystem",
-                  model=C.DEFAULT_MODEL, adapter=C.NO_ADAPTER, mode=d["mode"], branches=3, selector=d["selector"],
-                  temperature=d["temperature"], seed=d["seed"], shadow=d["shadow"],
-                  rehearsal_context=d["rehearsal_context"], tool_choice=d["tool_choice"],
-                  proposal=d["proposal"], relevance=0,  # the scripted candidates stay the test's own
-                  constrain=d["constrain"], max_action_tokens=d["max_action_tokens"], max_rehearsal_tokens=d["max_rehearsal_tokens"])
-    values.update(overrides)
-    return values
 
 
 def test_the_server_takes_the_gil_back_quickly(app):

@@ -101,9 +101,11 @@ def test_step_annotate_and_find_it(served, page, monkeypatch, tmp_path):
         page.get_by_role("button", name=C.STEP, exact=True).click()
         if n == 1:
             expect(stop).to_have_class(re.compile(r"\bstop\b"))  # red while the step runs
+            expect(page.get_by_role("button", name=C.STEP, exact=True)).to_be_disabled()  # no second press meanwhile
         expect(status).to_contain_text(f", {n} step(s)", timeout=STEP_TIMEOUT_MS)
     assert passes == [], f"step 2 ran {passes} though it was computed ahead"
     expect(stop).not_to_have_class(re.compile(r"\bstop\b"))
+    expect(page.get_by_role("button", name=C.STEP, exact=True)).to_be_enabled()
     cards = page.locator(f"#{C.ID_CARDS} .ea-card")
     expect(cards.first).to_be_visible()
     counts = [cards.count()]

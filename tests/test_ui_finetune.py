@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client
-from test_training import call, mock_episode
+from scripted import call, mock_episode
 
 from app.training import service
 from app.training.finetune import FinetuneError, FinetuneResult

@@ -1,4 +1,5 @@
-"""CLI: `export` (TRL training rows, or whole episodes) and `import` (episodes into a database).
+"""CLI: `export` (TRL training rows, whole episodes, or OTLP/JSON traces) and `import` (episodes, or another
+agent's chat JSONL or OTLP/JSON traces, into a database).
 
 `export --format trl` writes the fine-tune's Act and Rehearse rows as TRL conversational
 JSONL; `export --format episodes` writes stored episodes with their annotations
@@ -26,8 +27,10 @@ def register(sub: Any) -> None:
                                    "on (the same prompts and targets) as TRL conversational JSONL with the "
                                    "rehearsal fields, for `trl sft` under `accelerate launch`. --format episodes: "
                                    "stored episodes with every branch and annotation, for `import` elsewhere.")
-    p.add_argument("--format", choices=("trl", "episodes"), default="trl",
-                   help="trl: TRL conversational training rows; episodes: one stored episode per line (for import)")
+    p.add_argument("--format", choices=("trl", "episodes", "otlp"), default="trl",
+                   help="trl: TRL conversational training rows; episodes: one stored episode per line (for import); "
+                        "otlp: one OTLP/JSON trace per episode, the rehearsal as rehearsal.* attributes of each "
+                        "tool span (for an observability backend, or `import --format otlp`)")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()})")
     p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
     p.add_argument("--rows", choices=ROW_SOURCES, default="corrections",
@@ -50,11 +53,17 @@ def register(sub: Any) -> None:
                    help="token counts for prompt budgets: embedded | hf:<id or path> (the model you will train)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("import", help="import episodes from an `export --format episodes` file",
-                       description="Validate every line of a JSONL file of episodes (size, JSON, schema, "
-                                   "references) and write them with their annotations in one transaction: "
-                                   "a bad file changes nothing.")
-    p.add_argument("file", help="JSONL file written by `export --format episodes`")
+    p = sub.add_parser("import", help="import episodes (`export --format episodes`) or another agent's traces "
+                                      "(--format openai | otlp)",
+                       description="Validate every line of the file (size, JSON, schema, references) and write its "
+                                   "episodes in one transaction: a bad file changes nothing. --format openai: chat "
+                                   "JSONL ({\"messages\": [...], \"tools\": [...]} per line); --format otlp: "
+                                   "OTLP/JSON spans with OpenTelemetry GenAI or OpenInference attributes "
+                                   "(docs/traces.md).")
+    p.add_argument("file", help="the file to import")
+    p.add_argument("--format", choices=("episodes", "openai", "otlp"), default="episodes",
+                   help="episodes: written by `export --format episodes` (default); openai: chat transcripts with "
+                        "tool calls; otlp: OpenTelemetry spans (OTLP/JSON)")
     p.add_argument("--db", default=None, help=f"SQLite file (default {default_db_path()}; created if missing)")
     p.add_argument("--skip-existing", action="store_true",
                    help="skip episodes whose id the database already holds (default: refuse the whole file)")
@@ -114,15 +123,35 @@ def cmd_export_episodes(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def cmd_export_otlp(args: argparse.Namespace, out: Path) -> int:
+    from app.store import StoreError
+    from app.trace_io import export_otlp
+
+    store = _open_store(args.db, must_exist=True)
+    try:
+        n = export_otlp(store, out, args.episodes)
+    except StoreError as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if n == 0:
+        out.unlink(missing_ok=True)
+        raise UserError(f"no episodes in {store.path}")
+    print(f"wrote {n} traces (OTLP/JSON) to {out}")
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from app.store import StoreError
-    from app.trace_io import MAX_IMPORT_BYTES, TraceFileError, import_records, read_trace_file
+    from app.trace_io import MAX_IMPORT_BYTES, TraceFileError, import_records, read_foreign, read_trace_file
 
     if args.max_mb is not None and not args.max_mb > 0:
         raise UserError("--max-mb must be more than 0")
     limit = int(args.max_mb * 2**20) if args.max_mb else MAX_IMPORT_BYTES
     try:
-        records = read_trace_file(args.file, limit)  # everything is checked before the database opens
+        # everything is checked before the database opens
+        records = (read_trace_file(args.file, limit) if args.format == "episodes"
+                   else read_foreign(args.file, args.format, limit))
     except TraceFileError as exc:
         raise UserError(f"{args.file}: {exc}; nothing was imported") from None
     store = _open_store(args.db, must_exist=False)
@@ -132,6 +161,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     skipped = f"; skipped {len(result.skipped)} already present" if result.skipped else ""
     print(f"imported {len(result.imported)} episodes with {result.annotations} annotations into {store.path}{skipped}")
+    for r in records:  # what a foreign trace did not record, said once per episode
+        if r.episode.id in result.imported and r.episode.trace is not None and r.episode.trace.missing:
+            print(f"{r.episode.id}: not recorded: {'; '.join(r.episode.trace.missing)}")
     return 0
 
 
@@ -147,6 +179,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out} is a directory; name a .jsonl file")
     if args.format == "episodes":
         return cmd_export_episodes(args, out)
+    if args.format == "otlp":
+        return cmd_export_otlp(args, out)
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be at least 1")
     expert_ids = _expert_ids(args) if args.rows == "expert" else []

@@ -44,6 +44,10 @@ def _turns(n: int) -> str:
 def end_reason_text(ep: Episode) -> str:
     """Why the episode ended, in one sentence for a person ("" while it runs). Traces recorded before the reason
     was kept tell it from their status, and a finished one from its last step (an answer, else the budget)."""
+    if ep.trace is not None:  # an imported trace: it ended where its recording did
+        steps = f"{len(ep.steps)} recorded step{'' if len(ep.steps) == 1 else 's'}"
+        return (f"imported trace: {steps}, ending with the agent's answer" if ep.end_reason == "answered"
+                else f"imported trace: {steps}, ending without an answer from the agent")
     reason = ep.end_reason or {"stopped": "stopped", "failed": "failed", "interrupted": "interrupted"}.get(ep.status)
     if reason is None and ep.status == "finished":
         reason = "answered" if ep.steps and ep.steps[-1].kind == "answer" else "step_budget"

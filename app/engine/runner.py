@@ -447,7 +447,7 @@ class EpisodeRunner:
                 b.not_executed = NOT_EXECUTED_SHADOW_OFF
                 continue
             if not forkable and (tool is None or not tool.read_only):
-                b.not_executed = NOT_EXECUTED_CANNOT_FORK
+                b.not_executed = getattr(self.env, "fork_refusal", None) or NOT_EXECUTED_CANNOT_FORK
                 continue
             fork = self.env.fork()
             result = fork.call(b.call.name, b.call.arguments)
@@ -468,9 +468,12 @@ class EpisodeRunner:
         elif branch.kind == "call":
             on_fork = canonical_json(branch.actual) if branch.actual_source == "shadow" else None
             result = self.env.call(branch.call.name, branch.call.arguments)
-            branch.actual, branch.actual_error, branch.actual_source = result.output, result.error, "committed"
+            if result.missing:  # a recorded environment without this call: no response, never a made-up one
+                branch.actual, branch.actual_error, branch.not_executed = None, None, result.missing
+            else:
+                branch.actual, branch.actual_error, branch.actual_source = result.output, result.error, "committed"
+                external = 1
             self.turn_executed.append((branch.call.name, branch.call.arguments, result.output))
-            external = 1
             if on_fork is not None:  # run on its fork first (a fork-executing rehearser)
                 branch.shadow_state_after = None  # the step's own state_after shows its effect now
                 if canonical_json(result.output) != on_fork:

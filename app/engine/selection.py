@@ -1,6 +1,6 @@
 """Scoring branches and choosing the one to commit.
 
-Selectors (DESIGN.md): `judge` (the model's own P("yes") that the rehearsed outcome
+Selectors (docs/DESIGN.md): `judge` (the model's own P("yes") that the rehearsed outcome
 advances the task), `logprob` (the Act role's mean token log-probability, plus a call's tool
 log-probability when tools were ranked, `proposals`), `memory` (the rehearsals are shown to the
 policy, which writes the committed call). A branch whose rehearsal predicts an error is

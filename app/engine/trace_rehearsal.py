@@ -10,7 +10,8 @@ actual response (`NOT_EXECUTED_RECORDED`).
 
 The result is a new `Episode` linked to its source (`Episode.source_episode`): the recorded steps, each call
 step's committed branch holding the recorded call, its recorded response and this model's prediction with its
-metrics, so the Annotate, Dashboard and Fine-tune tabs read it as any episode. Its id is fixed by (source, model,
+metrics, so the Annotate, Dashboard and Fine-tune tabs read it as any episode (an imported trace's record,
+`Episode.trace`, comes along: its task is rebuilt from it). Its id is fixed by (source, model,
 adapter) (`rehearsal_id`): rehearsing again with the same model replaces the earlier rehearsal.
 """
 from __future__ import annotations
@@ -75,7 +76,8 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
                            memory="off")
     episode = Episode(id=rehearsal_id(source.id, model, adapter), task_id=source.task_id, model=model,
                       adapter=adapter, settings=settings, status="running", source_episode=source.id,
-                      turn_results=[t.model_copy(deep=True) for t in source.turn_results])
+                      turn_results=[t.model_copy(deep=True) for t in source.turn_results],
+                      trace=source.trace.model_copy(deep=True) if source.trace is not None else None)
     runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, env=ConversationEnv([]),
                            judge=_NoJudge(), episode_id=episode.id)
     for view in replay(source, task, env):

@@ -41,6 +41,9 @@ class ToolResult:
     """JSON-able result; for errors `{"error": "..."}`."""
     error: bool = False
     """True when the call failed (unknown tool, bad arguments, the tool raised or returned an error)."""
+    missing: str | None = None
+    """Why there is no response at all (a recorded environment asked for a call its trace never made,
+    `app.envs.recorded`); `output` is then None and the engine records the branch as not executed."""
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ from app.envs.base import Task, TurnCheck
 from app.engine.history import with_typed_turns
 from app.envs import mcp_tasks
 from app.envs.bfcl_tasks import CLASS_SOURCES
-from app.records import Episode, RunSettings
+from app.records import TRACE_PREFIX, Episode, RunSettings
 from app.service.forms import InputError
 
 
@@ -130,6 +130,8 @@ def episode_task(episode: Episode) -> Task:
     person typed in place (`with_typed_turns`), a typed instruction rebuilt from the text its verdicts recorded.
     A ValueError says why it cannot be rebuilt (an unknown task, an instruction whose text was never recorded)."""
     task_id = episode.task_id
+    if task_id.startswith(TRACE_PREFIX):  # an imported trace: its own turns, tools and recorded calls
+        return envs.recorded_task(episode)
     if task_id.startswith(INSTRUCTION_PREFIX) or task_id.endswith(f"/{mcp_tasks.FREE}"):
         text = next((t.details["instruction"] for t in sorted(episode.turn_results, key=lambda t: t.turn)
                      if t.details.get("instruction")), "")
@@ -154,7 +156,9 @@ def task_env(task: Task) -> Any:
 
 def task_turns(task_id: str, episode: Episode | None = None) -> list[list[dict[str, str]]]:
     """User turns of a stored episode's task; the ones a person typed, and typed instructions, come
-    from the turn results that recorded them."""
+    from the turn results that recorded them; an imported trace's from its record."""
+    if task_id.startswith(TRACE_PREFIX):
+        return [list(t) for t in episode.trace.turns] if episode is not None and episode.trace is not None else []
     if task_id.startswith(INSTRUCTION_PREFIX) or task_id.endswith(f"/{mcp_tasks.FREE}"):
         for t in episode.turn_results if episode else []:
             if t.details.get("instruction"):

@@ -138,7 +138,7 @@ def rehearse_episodes(store: Store, ids: list[str], policy: Any, *, model: str, 
         result.calls += len(recorded_calls(rehearsal))
         result.alternatives += sum(len(s.branches) - 1 for s in rehearsal.steps)
         if remember is not None:
-            source_kind = "committed" if ep.model != IMPORTED_MODEL else "imported"
+            source_kind = "imported" if ep.trace is not None else "committed"
             result.remembered += len(remember(recorded_transitions(ep, task, task_env(task), source_kind)))
     return result
 
@@ -148,11 +148,6 @@ def _model_failure(exc: BaseException) -> bool:
     import model_backend
 
     return isinstance(exc, (model_backend.RemoteCapabilityError, model_backend.RemoteError))
-
-
-IMPORTED_MODEL = "imported"
-"""`Episode.model` of an episode imported from a trace file (no model of ours acted in it): its recorded results
-join the memory as `imported` transitions."""
 
 
 def summary(result: RehearsalResult) -> str:
@@ -165,5 +160,5 @@ def summary(result: RehearsalResult) -> str:
             f"Rehearsals: {', '.join(result.rehearsals)}")
 
 
-__all__ = ["IMPORTED_MODEL", "RehearsalResult", "check_sources", "parse_episode_ids", "rehearsable_ids",
+__all__ = ["RehearsalResult", "check_sources", "parse_episode_ids", "rehearsable_ids",
            "rehearse_episodes", "split_rehearsable", "summary"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Literal
 
 from app.engine import selection
 from app.envs.base import Task
-from app.records import Episode, Step
+from app.records import TRACE_PREFIX, Episode, Step
 from app.service.catalog import INSTRUCTION_PREFIX, RunRequest, TaskCatalog, discover_adapters, task_env
 from app.service.forms import InputError, SessionBusyError
 from app.store import Recorder, Store, StoreError
@@ -376,6 +376,9 @@ class RunSession:
             ep = services.store.get_episode(episode_id)
         except StoreError as exc:
             raise InputError(str(exc)) from None
+        if ep.task_id.startswith(TRACE_PREFIX):
+            raise InputError(f"Episode {ep.id} is an imported trace: it cannot be continued, because its tools "
+                             "answer only the calls it recorded (any new call would have no response).")
         if ep.status == "finished":
             raise InputError(f"Episode {ep.id} is finished: there is nothing to continue.")
         if ep.status == "running":

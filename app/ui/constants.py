@@ -98,6 +98,12 @@ ID_TRACES_TABLE = "traces-table"
 ID_TRACES_CARDS = "traces-cards"
 ID_TRACES_UPLOAD = "traces-upload"
 ID_TRACES_IO_MESSAGE = "traces-io-message"
+# Another agent's traces (issue 37): chat JSONL or OTLP/JSON in, OTLP/JSON out.
+IMPORT_TRACES, EXPORT_OTLP = "Import traces", "Export the listed episodes as OTLP/JSON"
+TRACE_FORMAT_CHOICES = (("OpenAI chat JSONL (messages + tools)", "openai"),
+                        ("OpenTelemetry OTLP/JSON (GenAI or OpenInference spans)", "otlp"))
+ID_TRACES_FOREIGN_UPLOAD = "traces-foreign-upload"
+ID_TRACES_FOREIGN_MESSAGE = "traces-foreign-message"
 ID_TRACES_MESSAGE = "traces-message"
 ID_REHEARSE_EPISODES = "rehearse-episodes"
 ID_REHEARSE_MESSAGE = "rehearse-message"

@@ -152,7 +152,7 @@ METRIC_HELP = {
     "surprise": "mean negative log-likelihood per token of the actual response under the Rehearse role "
                 "(0 = the model expected it exactly; higher = more surprised)",
 }
-"""Tooltips of the card's metric names (one text for the UI and the README)."""
+"""Tooltips of the card's metric names (one text for the UI and the docs)."""
 
 
 def _metric(name: str, value: str) -> str:
@@ -337,10 +337,20 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"model {md_code(ep.model)}{f' + {md_code(ep.adapter)}' if ep.adapter else ''} · mode {s.mode} · K {s.branches} · "
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
             f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}"
-            + (f"  \n**Ended:** {md_text(ended)}" if ended else "")
+            + (f"  \n**Ended:** {md_text(ended)}" if ended else "") + trace_source_line(ep)
             + (f"  \n**Rehearsal** of episode {md_code(ep.source_episode)}: each committed call is the recorded one "
                "with its recorded response, predicted by this model from the recorded history" if ep.source_episode
                else "") + (f"  \n{note}" if note else ""))
+
+
+def trace_source_line(ep: Episode) -> str:
+    """An imported trace's origin and what its file did not record (empty for an episode run here)."""
+    src = ep.trace
+    if src is None:
+        return ""
+    missing = "; ".join(src.missing) if src.missing else "nothing"
+    return (f"  \n**Imported** from {md_code(src.file or '(upload)')} ({src.format}, {md_text(src.trace_id)}) · "
+            f"{len(src.tools)} tool(s) · **not recorded:** {md_text(missing)}")
 
 
 def ahead_line(status: AheadStatus) -> str:

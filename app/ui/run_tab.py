@@ -110,11 +110,16 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
+    # While a step runs, Step, Run turn and Run to end are disabled (a second press waits for the first to end,
+    # it never queues a hidden extra step) and Stop is highlighted; both are restored however the step ends.
+    run_buttons = [step_btn, turn_btn, all_btn]
+    running = lambda: [gr.Button(variant="stop")] + [gr.Button(interactive=False)] * 3  # noqa: E731
+    idle = lambda: [gr.Button(variant="secondary")] + [gr.Button(interactive=True)] * 3  # noqa: E731
     for button, run, name in ((step_btn, cb.step, "step"), (turn_btn, cb.run_turn, "run_turn"),
                               (all_btn, cb.run_all, "run_to_end")):
-        button.click(lambda: gr.Button(variant="stop"), None, stop_btn, queue=False, api_visibility="private") \
+        button.click(running, None, [stop_btn] + run_buttons, queue=False, api_visibility="private") \
             .then(run, [session], outputs, inputs_kwargs=form, api_name=name, **model_events) \
-            .then(lambda: gr.Button(variant="secondary"), None, stop_btn, queue=False, api_visibility="private")
+            .then(idle, None, [stop_btn] + run_buttons, queue=False, api_visibility="private")
     # Stop must answer while a step holds a model slot: it gets its own, unlimited.
     stop_btn.click(cb.stop, [session], [message, status], api_name="stop", concurrency_limit=None,
                    concurrency_id="control")

@@ -12,7 +12,7 @@ from app.service import (INSTRUCTION_PREFIX, DiscardPlan, InputError, Services, 
                          plan_discard, task_turns)
 from app.records import Episode
 from app.store import StoreError
-from app.trace_io import TraceFileError, export_episodes, import_records, read_trace_file
+from app.trace_io import TraceFileError, export_episodes, export_otlp, import_records, read_foreign, read_trace_file
 from app.ui import constants as C
 from app.ui import render
 from app.ui.run_callbacks import RunCallbacks, form_from_request, message_html
@@ -171,6 +171,38 @@ class TracesCallbacks:
             return None, message_html(str(exc), "error")
         return str(out), message_html(f"Exported {n} episode(s).")
 
+    # ------------------------------------------------------------ another agent's traces (issue 37, parts 1 and 6)
+
+    def import_traces(self, path: str | None, fmt: str | None, skip_existing: bool) -> str:
+        """Validate a whole chat JSONL or OTLP/JSON file, then write its episodes in one transaction (or nothing);
+        says what each trace did not record."""
+        if not path:
+            return message_html("Choose a trace file: chat JSONL ({\"messages\", \"tools\"} per line) or "
+                                "OTLP/JSON spans.", "error")
+        try:
+            records = read_foreign(path, fmt or "openai", int(C.MAX_IMPORT_MB * 2**20))
+            result = import_records(self.services.store, records, skip_existing=bool(skip_existing))
+        except (TraceFileError, StoreError) as exc:
+            return message_html(f"Nothing was imported: {exc}", "error")
+        skipped = f"; {len(result.skipped)} already here were skipped" if result.skipped else ""
+        missing = sorted({m for r in records if r.episode.id in result.imported and r.episode.trace
+                          for m in r.episode.trace.missing})
+        said = f" Not recorded in the file: {'; '.join(missing[:8])}{' …' if len(missing) > 8 else ''}." if missing else ""
+        return message_html(f"Imported {len(result.imported)} trace(s) as episodes{skipped}: click one in the table above to "
+                            f"see every recorded call with its real response.{said}")
+
+    def export_listed_otlp(self, table: Any) -> tuple[Any, str]:
+        """The episodes listed in the table as OTLP/JSON (one trace per episode, rehearsals as span attributes)."""
+        values = table.values.tolist() if hasattr(table, "values") else (table or [])
+        ids = [row[0] for row in values if row and row[0]]
+        if not ids:
+            return None, message_html("No episodes listed: search first, then export.", "error")
+        out = Path(tempfile.mkdtemp(prefix="envace-otlp-")) / "traces.otlp.jsonl"
+        try:
+            n = export_otlp(self.services.store, out, reversed(ids))
+        except StoreError as exc:
+            return None, message_html(str(exc), "error")
+        return str(out), message_html(f"Exported {n} episode(s) as OTLP/JSON traces.")
 
 # ---------------------------------------------------------------- rehearse with a model / compare world models
 # (issue 37: kept apart from the callbacks above; the service does the work: app.service.rehearsal,

@@ -69,6 +69,7 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
                 download = gr.File(label="Exported episodes", interactive=False)
         io_message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_TRACES_IO_MESSAGE)
 
+    foreign = build_foreign_traces(cb)
     filters = [task, env_class, mode, model, adapter, success, since, until]
     listed = refresh.click(cb.list_episodes, filters, [table, message, episode_id], api_name="list_episodes")
     listed.then(cb.filter_choices, None, [model, adapter, left, right], api_visibility="private")
@@ -97,7 +98,36 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
     import_btn.click(cb.import_file, [upload, skip_existing], io_message, api_name="import_episodes").then(
         cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
     export_btn.click(cb.export_listed, table, [download, io_message], api_name="export_episodes")
+    wire_foreign_traces(cb, foreign, table, filters, [table, message, episode_id])
     build_rehearse_section(services, tab)
+
+
+# ---------------------------------------------------------------- another agent's traces (issue 37, parts 1 and 6)
+
+
+def build_foreign_traces(cb: TracesCallbacks) -> dict[str, Any]:
+    """The accordion that imports another agent's traces (chat JSONL, OTLP/JSON) and exports OTLP/JSON."""
+    with gr.Accordion("Import your own agent's traces (OpenAI chat JSONL, OpenTelemetry OTLP/JSON)", open=False):
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                fmt = gr.Radio(list(C.TRACE_FORMAT_CHOICES), value="openai", label="Format")
+                upload = gr.File(label=f"Trace file (.jsonl or .json, at most {C.MAX_IMPORT_MB} MiB)",
+                                 file_types=[".jsonl", ".json"], type="filepath", elem_id=C.ID_TRACES_FOREIGN_UPLOAD)
+                skip = gr.Checkbox(False, label="Skip traces already imported")
+                import_btn = gr.Button(C.IMPORT_TRACES)
+            with gr.Column():
+                export_btn = gr.Button(C.EXPORT_OTLP)
+                download = gr.File(label="Exported traces (OTLP/JSON)", interactive=False)
+        message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_TRACES_FOREIGN_MESSAGE)
+    return {"format": fmt, "upload": upload, "skip": skip, "import": import_btn, "export": export_btn,
+            "download": download, "message": message}
+
+
+def wire_foreign_traces(cb: TracesCallbacks, ui: dict[str, Any], table: Any, filters: list[Any],
+                        listing: list[Any]) -> None:
+    ui["import"].click(cb.import_traces, [ui["upload"], ui["format"], ui["skip"]], ui["message"],
+                       api_name="import_traces").then(cb.list_episodes, filters, listing, api_visibility="private")
+    ui["export"].click(cb.export_listed_otlp, table, [ui["download"], ui["message"]], api_name="export_otlp")
 
 
 # ---------------------------------------------------------------- rehearse with a model / compare world models

@@ -22,16 +22,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.records import Annotation, Episode
 from app.store import Store
+from app.trace_io.imported import TraceFileError
 
 FORMAT = "envace-episode/1"
 MAX_IMPORT_BYTES = 64 * 2**20
 """Largest file `import` reads (64 MiB: a few thousand BFCL episodes with their states)."""
 MAX_LINE_BYTES = 8 * 2**20
 """Largest single episode line (an 8 MiB episode is a sign of a wrong file, not a long run)."""
-
-
-class TraceFileError(ValueError):
-    """A trace file that cannot be imported; the message names the line and the problem."""
 
 
 class TraceAnnotation(Annotation):
@@ -195,6 +192,51 @@ def read_trace_file(path: str | os.PathLike[str], max_bytes: int = MAX_IMPORT_BY
     return parse_traces(p.read_bytes(), max_bytes)
 
 
+FOREIGN_FORMATS: tuple[str, ...] = ("openai", "otlp")
+"""Formats of other software's traces (`import --format`): chat JSONL (`openai_chat`) and OTLP/JSON (`otlp`)."""
+
+
+def parse_foreign(data: bytes, fmt: str, file: str = "", max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
+    """A whole foreign trace file as records (episodes without annotations), checked in full; TraceFileError names
+    the first bad line or span."""
+    from app.trace_io.openai_chat import parse_openai
+    from app.trace_io.otlp import parse_otlp
+
+    if len(data) > max_bytes:
+        raise TraceFileError(f"the file is {_size(len(data))}; the limit is {_size(max_bytes)}")
+    if fmt not in FOREIGN_FORMATS:
+        raise TraceFileError(f"unknown format {fmt!r}; known: {', '.join(FOREIGN_FORMATS)}")
+    episodes = parse_openai(data, file) if fmt == "openai" else parse_otlp(data, file)
+    if not episodes:
+        raise TraceFileError("the file holds no traces")
+    seen: dict[str, str] = {}
+    for ep in episodes:
+        where = ep.trace.trace_id if ep.trace else ep.id
+        if ep.id in seen:
+            raise TraceFileError(f"{where}: the same trace as {seen[ep.id]} (episode {ep.id} twice)")
+        seen[ep.id] = where
+    return [TraceRecord(format=FORMAT, episode=ep) for ep in episodes]
+
+
+def read_foreign(path: str | os.PathLike[str], fmt: str, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
+    """`parse_foreign` on a file, refusing an oversized one before reading it."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceFileError("no such file")
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise TraceFileError(f"the file is {_size(size)}; the limit is {_size(max_bytes)}")
+    return parse_foreign(p.read_bytes(), fmt, p.name, max_bytes)
+
+
+def export_otlp(store: Store, out: str | os.PathLike[str], episode_ids: Iterable[str] | None = None) -> int:
+    """The episodes (default: all, oldest first) as OTLP/JSON lines (`otlp.write_otlp`); returns how many."""
+    from app.trace_io.otlp import write_otlp
+
+    ids = list(episode_ids) if episode_ids is not None else [r["id"] for r in reversed(store.list_episodes())]
+    return write_otlp((store.get_episode(i) for i in ids), out)
+
+
 def import_records(store: Store, records: list[TraceRecord], skip_existing: bool = False) -> ImportResult:
     """Write validated records in one transaction (StoreError, nothing written, on a clash or a lock)."""
     items = [(r.episode, [(a.step, a.branch, a.to_annotation()) for a in r.annotations]) for r in records]
@@ -204,5 +246,5 @@ def import_records(store: Store, records: list[TraceRecord], skip_existing: bool
     return ImportResult(imported, skipped, n)
 
 
-__all__ = ["FORMAT", "ImportResult", "MAX_IMPORT_BYTES", "MAX_LINE_BYTES", "TraceAnnotation", "TraceFileError",
+__all__ = ["FOREIGN_FORMATS", "FORMAT", "ImportResult", "export_otlp", "parse_foreign", "read_foreign", "MAX_IMPORT_BYTES", "MAX_LINE_BYTES", "TraceAnnotation", "TraceFileError",
            "TraceRecord", "export_episodes", "import_records", "parse_traces", "read_trace_file"]
