@@ -6,6 +6,7 @@ environment: `expert_episode`), cut to a few calls to keep the model's work smal
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -249,3 +250,25 @@ def test_all_skips_what_cannot_be_rehearsed_and_says_why(tmp_path, capsys):
                                       "skipped: episode answers has no recorded tool call with a response to rehearse"])
     assert err[2] == f"error: no episode to rehearse in {store.path}" and len(err) == 3
     assert store.db["episodes"].count == 2
+
+
+def test_an_imported_trace_is_rehearsed_and_its_results_join_the_memory_as_imported(tmp_path, policies):
+    from app.service.catalog import episode_task
+    from app.trace_io import import_records, read_foreign
+
+    root = Path(__file__).resolve().parent.parent / "fixtures" / "third_party"
+    store = Store(tmp_path / "imported.db")
+    import_records(store, read_foreign(root / "openai_chat.jsonl", "openai"))  # written by another library
+    import_records(store, read_foreign(root / "smolagents_genai.jsonl", "otlp"))  # spans without results
+    chat = next(r["id"] for r in store.find_episodes() if r["task_id"].startswith("trace:openai/"))
+    result = _rehearse(store, policies[SHIPPED], [chat], SHIPPED)
+    source, rehearsal = store.get_episode(chat), store.get_episode(result.rehearsals[0])
+    assert rehearsal.source_episode == chat and rehearsal.trace == source.trace and result.calls >= 1
+    for step in recorded_calls(rehearsal):
+        assert step.chosen_branch.predicted_text is not None and step.chosen_branch.metrics.field_f1 is not None
+    assert episode_task(rehearsal).id == source.task_id  # Annotate and Fine-tune rebuild its task as the source's
+    remembered = [t for t in store.transitions() if t.episode_id == chat]
+    assert len(remembered) == result.calls and {t.source for t in remembered} == {"imported"}
+    no_result = next(r["id"] for r in store.find_episodes() if r["task_id"].startswith("trace:otlp/"))
+    with pytest.raises(InputError, match="has no recorded tool call with a response"):
+        _rehearse(store, policies[SHIPPED], [no_result], SHIPPED)
