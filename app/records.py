@@ -307,6 +307,9 @@ class Episode(BaseModel):
     then tells from its status and steps)."""
     trace: TraceSource | None = None
     """An imported trace's own record (`app.trace_io`); None for an episode run here."""
+    source_episode: str | None = None
+    """A rehearsal of a recorded episode (`app.engine.trace_rehearsal`): the id of the episode whose recorded calls
+    this model predicted, teacher-forced on its recorded history; None for an episode that ran."""
 
     @field_validator("settings", mode="before")
     @classmethod

@@ -31,10 +31,11 @@ ADDED_BRANCH_COLUMNS = {"shadow_state_after": str, "not_executed": str, "memory"
 ADDED_ANNOTATION_COLUMNS = {"corrected_action_kind": str, "corrected_predicted_set": int}
 """`corrected_predicted_set`: the corrected response is set (a JSON `null` one too, stored as SQL NULL);
 NULL in rows written before it, read as "set when the value is not null" (`Annotation`)."""
-ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str, "trace": str}
+ADDED_EPISODE_COLUMNS = {"writer": str, "end_reason": str, "trace": str, "source_episode": str}
 """`writer`: `host:pid` of the process writing a running episode, so a later start can tell a
 dead writer (the episode was interrupted) from a live one (another process is still at it); `end_reason`:
-`Episode.end_reason`; `trace`: `Episode.trace` (JSON) of an imported trace."""
+`Episode.end_reason`; `trace`: `Episode.trace` (JSON) of an imported trace; `source_episode`:
+`Episode.source_episode` (a rehearsal's recorded episode)."""
 ADDED_STEP_COLUMNS = {"ahead_s": float}
 WRITER = f"{socket.gethostname()}:{os.getpid()}"
 """Branch columns newer than the first schema: added to an older database when it opens."""
@@ -204,7 +205,7 @@ class Store:
                    rehearsals=ep.rehearsals, n_steps=len(ep.steps), created_at=ep.created_at,
                    finished_at=ep.finished_at, error=ep.error, end_reason=ep.end_reason,
                    trace=_json(ep.trace.model_dump()) if ep.trace is not None else None,
-                   writer=WRITER if ep.status == "running" else None)
+                   source_episode=ep.source_episode, writer=WRITER if ep.status == "running" else None)
         row["shadow"] = int(row["shadow"])
         return row
 
@@ -386,15 +387,32 @@ class Store:
             return found
         return self._guard(write)
 
+    def replace_episode(self, ep: Episode) -> bool:
+        """Write a whole episode with its steps in one transaction, in place of the episode of the same id (its
+        steps, branches and annotations deleted first) when there is one; returns whether one was replaced."""
+        def write() -> bool:
+            with self._atomic():
+                found = bool(self.db["episodes"].count_where("id = ?", [ep.id]))
+                if found:
+                    self._delete_rows(ep.id)
+                self.db["episodes"].insert(self._episode_row(ep))
+                for step in ep.steps:
+                    self._insert_step(ep.id, step)
+                return found
+        return self._guard(write)
+
+    def _delete_rows(self, episode_id: str) -> None:
+        self.db.execute("delete from annotations where branch_id in "
+                        "(select id from branches where episode_id = ?)", [episode_id])
+        for table in ("branches", "steps"):
+            self.db.execute(f"delete from {table} where episode_id = ?", [episode_id])
+        self.db.execute("delete from episodes where id = ?", [episode_id])
+
     def delete_episode(self, episode_id: str) -> None:
         """Remove an episode with its steps, branches and their annotations (one transaction)."""
         def write() -> None:
             with self._atomic():
-                self.db.execute("delete from annotations where branch_id in "
-                                "(select id from branches where episode_id = ?)", [episode_id])
-                for table in ("branches", "steps"):
-                    self.db.execute(f"delete from {table} where episode_id = ?", [episode_id])
-                self.db.execute("delete from episodes where id = ?", [episode_id])
+                self._delete_rows(episode_id)
         self._guard(write)
 
     def list_episodes(self, **filters: Any) -> list[dict[str, Any]]:
@@ -427,6 +445,7 @@ class Store:
                 rehearsals=row["rehearsals"], created_at=row["created_at"],
                 finished_at=row["finished_at"], error=row["error"], end_reason=row.get("end_reason"),
                 trace=TraceSource.model_validate(_unjson(row["trace"])) if row.get("trace") else None,
+                source_episode=row.get("source_episode"),
                 steps=[Step(index=s["idx"], turn=s["turn"], chosen=s["chosen"], kind=s["kind"],
                             branches=by_step.get(s["id"], []),
                             state_before=_unjson(s["state_before"]) or {},

@@ -43,11 +43,13 @@ def test_success_without_judged_episodes_says_no_data_and_counts_what_it_has():
     assert "external calls / episode · n=2 episodes" in texts(fig)
     assert any(t.startswith("No data: no judged episode") for t in texts(fig))
 
-    mixed = unjudged + [{"mode": "parallel", "success": 0, "external_calls": 2}]
+    rehearsal = {"mode": "none", "success": None, "external_calls": 0, "source_episode": "ep1"}  # ran nothing
+    mixed = unjudged + [{"mode": "parallel", "success": 0, "external_calls": 2}, rehearsal]
     fig = dashboard.success_and_calls_by_mode(mixed)
     success = fig.data[0]
     assert list(success.x) == ["none (n=0)", "parallel (n=1)"] and list(success.y) == [None, 0.0]
     assert ("none (n=0)", "no data") in [(a.x, a.text) for a in fig.layout.annotations]
+    assert "external calls / episode · n=3 episodes" in texts(fig) and list(fig.data[1].y) == [1.0, 2.5]
 
 
 def test_the_other_titles_say_n():

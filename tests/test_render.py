@@ -108,3 +108,12 @@ def test_the_status_of_an_ended_episode_says_why() -> None:
     r.fail("boom <b>*x*</b>")
     status = render.episode_status(r.episode)
     assert "**Ended:** a step failed after 1 step: boom \\<b\\>\\*x\\*\\</b\\>" in status  # escaped: shown as written
+
+
+def test_the_status_of_a_rehearsal_names_its_source() -> None:
+    r = EpisodeRunner(envs.load_task("mock:kv"), ScriptedPolicy([[call("list_keys")]]),
+                      RunSettings(mode="none", branches=1))
+    r.step()
+    assert "Rehearsal" not in render.episode_status(r.episode)
+    status = render.episode_status(r.episode.model_copy(update={"source_episode": "abc123"}))
+    assert "**Rehearsal** of episode `abc123`" in status and "recorded history" in status

@@ -202,3 +202,24 @@ def test_end_reason_and_ahead_seconds_round_trip_and_an_older_database_gains_the
     reopened.add_step(new, new.steps[1])
     loaded = reopened.get_episode("ep1")
     assert loaded.end_reason == "stopped" and loaded.steps[1].ahead_s == 4.25 and loaded.steps[1].compute_s == 4.3
+
+
+def test_a_rehearsal_keeps_its_source_and_replacing_an_episode_leaves_one(tmp_path):
+    path = tmp_path / "old.db"
+    store = Store(path)
+    store.replace_episode(make_episode(1, "src"))
+    store.db["episodes"].transform(drop={"source_episode"})  # a database from before rehearsals
+    store.close()
+    store = Store(path)
+    assert store.get_episode("src").source_episode is None
+    first = make_episode(2, "src~rh").model_copy(update={"source_episode": "src"})
+    assert store.replace_episode(first) is False
+    branch = store.branch_id_at("src~rh", 0)
+    store.add_annotation(Annotation(branch_id=branch, label="match"))
+    again = make_episode(1, "src~rh").model_copy(update={"source_episode": "src"})
+    assert store.replace_episode(again) is True
+    loaded = store.get_episode("src~rh")
+    assert loaded.source_episode == "src" and len(loaded.steps) == 1
+    assert store.db["steps"].count_where("episode_id = ?", ["src~rh"]) == 1
+    assert store.annotations() == []  # the replaced rehearsal's annotation went with its branch
+    assert [r["id"] for r in store.find_episodes() if r["source_episode"] == "src"] == ["src~rh"]

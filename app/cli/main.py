@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any, Callable
 
-from app.cli import annotate, evaluate, export, train
+from app.cli import annotate, evaluate, export, rehearse, train
 from app.cli.common import (UserError, add_engine_options, check_selector_or_fail, is_model_failure,
                             load_policy_or_fail, load_task_or_fail)
 from app.config import DEFAULT_TASK, default_db_path, resolve_adapter
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "/gradio_api/mcp/ (streamable HTTP)")
     p.set_defaults(func=cmd_serve)
 
-    for module in (train, evaluate, export, annotate):  # subcommands owned by their own modules
+    for module in (train, evaluate, export, annotate, rehearse):  # subcommands owned by their own modules
         module.register(sub)
     return parser
 

@@ -98,8 +98,10 @@ def divergence_by_step(branches: list[dict[str, Any]]) -> go.Figure:
 
 
 def success_and_calls_by_mode(episodes: list[dict[str, Any]]) -> go.Figure:
-    """Task success rate (judged episodes) and mean external calls per episode, by mode."""
+    """Task success rate (judged episodes) and mean external calls per episode, by mode. A rehearsal of a recorded
+    episode (`source_episode`) ran nothing: it is not an episode here."""
     title = "Task success and external calls by mode"
+    episodes = [e for e in episodes if not e.get("source_episode")]
     by_mode: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for e in episodes:
         by_mode[e["mode"]].append(e)

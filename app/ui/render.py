@@ -338,7 +338,9 @@ def episode_status(ep: Episode | None, note: str = "") -> str:
             f"selector {s.selector} · T {s.temperature} · seed {s.seed} · shadow {'on' if s.shadow else 'off'} · "
             f"context {s.rehearsal_context} · candidates {s.proposal} · relevance {s.relevance:g} · constrained {'on' if s.constrain else 'off'}"
             + (f"  \n**Ended:** {md_text(ended)}" if ended else "") + trace_source_line(ep)
-            + (f"  \n{note}" if note else ""))
+            + (f"  \n**Rehearsal** of episode {md_code(ep.source_episode)}: each committed call is the recorded one "
+               "with its recorded response, predicted by this model from the recorded history" if ep.source_episode
+               else "") + (f"  \n{note}" if note else ""))
 
 
 def trace_source_line(ep: Episode) -> str:

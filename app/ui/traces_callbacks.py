@@ -203,3 +203,66 @@ class TracesCallbacks:
         except StoreError as exc:
             return None, message_html(str(exc), "error")
         return str(out), message_html(f"Exported {n} episode(s) as OTLP/JSON traces.")
+
+# ---------------------------------------------------------------- rehearse with a model / compare world models
+# (issue 37: kept apart from the callbacks above; the service does the work: app.service.rehearsal,
+# app.service.model_comparison)
+
+
+class RehearseCallbacks:
+    """Rehearse stored episodes with a world model (teacher-forced), and compare world models on them."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def choices(self) -> tuple[Any, Any]:
+        """The episodes that can be rehearsed (every one that is not a rehearsal), for both pickers."""
+        from app.service.rehearsal import rehearsable_ids
+
+        ids = rehearsable_ids(self.services.store)
+        return gr.Dropdown(choices=ids), gr.Dropdown(choices=ids)
+
+    def rehearse(self, episodes: list[str] | str | None, model: str, adapter: str | None, alternatives: float | None,
+                 progress: gr.Progress = gr.Progress()) -> str:
+        """Rehearse the picked episodes with the model; one line saying what was written, or what to fix."""
+        from app.service.rehearsal import parse_episode_ids, rehearse_episodes, summary
+
+        try:
+            ids = parse_episode_ids(episodes)
+            model = (model or "").strip() or C.DEFAULT_MODEL
+            chosen = None if adapter in (None, "", C.NO_ADAPTER) else adapter
+            policy = self.services.policy(model, chosen)
+            result = rehearse_episodes(
+                self.services.store, ids, policy, model=model, adapter=chosen, alternatives=int(alternatives or 0),
+                remember=self.services.remember,
+                progress=lambda done, total, what: progress((done, total), desc=f"rehearsing {what}", unit="calls"))
+        except (InputError, StoreError) as exc:
+            return message_html(str(exc), "error")
+        return message_html(summary(result))
+
+    def compare(self, episodes: list[str] | str | None, models: str) -> tuple[Any, Any, str, Any, Any]:
+        """(table, figure, message, the disagreement picker, the comparison kept for it)."""
+        from app.service.model_comparison import compare_models, comparison_figure, parse_models, table_rows
+        from app.service.rehearsal import parse_episode_ids
+
+        try:
+            comparison = compare_models(self.services.store, parse_episode_ids(episodes), parse_models(models))
+        except InputError as exc:
+            return gr.skip(), gr.skip(), message_html(str(exc), "error"), gr.skip(), gr.skip()
+        keys = [d.key for d in comparison.disagreements]
+        note = (f"{comparison.calls} recorded call(s) compared across {len(comparison.models)} models; they predicted "
+                f"differently at {len(keys)}" + (": pick one to open it side by side." if keys else "."))
+        return (table_rows(comparison), comparison_figure(comparison), message_html(note),
+                gr.Dropdown(choices=keys, value=keys[0] if keys else None), comparison)
+
+    @staticmethod
+    def open_disagreement(comparison: Any, key: str | None) -> str:
+        """The picked call as each model rehearsed it, one column per model."""
+        found = next((d for d in comparison.disagreements if d.key == key), None) if comparison else None
+        if found is None:
+            return render.branch_cards(None, "Compare models, then pick a call where they disagree.")
+        columns = "".join(f'<div><div class="ea-label">{render.esc(label)}</div>{render.branch_card(b)}</div>'
+                          for label, b in found.branches.items())
+        return (f'<div class="ea-label">{render.esc(found.key)}: <code>{render.esc(found.call)}</code></div>'
+                f'<div style="display:grid;grid-template-columns:repeat({len(found.branches)},minmax(0,1fr));'
+                f'gap:8px">{columns}</div>')

@@ -9,7 +9,7 @@ from app.service import Services
 from app.ui import constants as C
 from app.ui import render
 from app.ui.assets import VIEW_CSS
-from app.ui.traces_callbacks import TracesCallbacks
+from app.ui.traces_callbacks import RehearseCallbacks, TracesCallbacks
 
 
 def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs: gr.Tabs) -> None:
@@ -99,6 +99,7 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
         cb.list_episodes, filters, [table, message, episode_id], api_visibility="private")
     export_btn.click(cb.export_listed, table, [download, io_message], api_name="export_episodes")
     wire_foreign_traces(cb, foreign, table, filters, [table, message, episode_id])
+    build_rehearse_section(services, tab)
 
 
 # ---------------------------------------------------------------- another agent's traces (issue 37, parts 1 and 6)
@@ -127,3 +128,50 @@ def wire_foreign_traces(cb: TracesCallbacks, ui: dict[str, Any], table: Any, fil
     ui["import"].click(cb.import_traces, [ui["upload"], ui["format"], ui["skip"]], ui["message"],
                        api_name="import_traces").then(cb.list_episodes, filters, listing, api_visibility="private")
     ui["export"].click(cb.export_listed_otlp, table, [ui["download"], ui["message"]], api_name="export_otlp")
+
+
+# ---------------------------------------------------------------- rehearse with a model / compare world models
+
+
+def build_rehearse_section(services: Services, tab: gr.Tab) -> None:
+    """Issue 37: rehearse stored episodes with a world model (teacher-forced on their recorded history), and
+    compare world models on the same episodes per tool, the calls where they disagree side by side."""
+    from app.config import shipped_adapter
+    from app.service.model_comparison import TABLE_COLUMNS
+
+    cb = RehearseCallbacks(services)
+    with gr.Accordion("Rehearse with a model", open=False):
+        gr.Markdown("For each recorded call, the model predicts the response from the recorded history; predicted "
+                    "versus actual is stored as a new episode (the same model again replaces it), to annotate, "
+                    "chart and fine-tune on. Alternatives: calls the model would have made there (never executed).")
+        with gr.Row():
+            episodes = gr.Dropdown([], multiselect=True, label="Episodes", allow_custom_value=True, scale=3,
+                                   elem_id=C.ID_REHEARSE_EPISODES)
+            model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
+                                info="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model>", scale=2)
+            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=shipped_adapter() or C.NO_ADAPTER,
+                                  allow_custom_value=True, label="Adapter (LoRA)", scale=2)
+            alternatives = gr.Number(0, minimum=0, maximum=8, precision=0, label="Alternatives (K)", scale=1)
+        rehearse_btn = gr.Button(C.REHEARSE, variant="primary")
+        rehearse_message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_REHEARSE_MESSAGE)
+    with gr.Accordion("Compare world models", open=False):
+        with gr.Row():
+            compare_episodes = gr.Dropdown([], multiselect=True, label="Episodes (rehearsed by every model)",
+                                           allow_custom_value=True, scale=3)
+            models = gr.Textbox("embedded,embedded@none", label="Models (SPEC[@ADAPTER], separated by commas)",
+                                scale=3)
+            compare_btn = gr.Button(C.COMPARE_MODELS, scale=1)
+        compare_message = gr.HTML("", css_template=VIEW_CSS)
+        fidelity = gr.Dataframe(headers=TABLE_COLUMNS, value=[], interactive=False, label="Fidelity per tool and model")
+        figure = gr.Plot(label="Fidelity per tool and model")
+        comparison = gr.State(None)
+        disagreement = gr.Dropdown([], label="Calls where the models disagree")
+        side_by_side = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_MODELS_SIDE_BY_SIDE)
+    tab.select(cb.choices, None, [episodes, compare_episodes], api_visibility="private")
+    rehearse_btn.click(cb.rehearse, [episodes, model, adapter, alternatives], rehearse_message,
+                       api_name="rehearse_episodes").then(cb.choices, None, [episodes, compare_episodes],
+                                                          api_visibility="private")
+    compare_btn.click(cb.compare, [compare_episodes, models],
+                      [fidelity, figure, compare_message, disagreement, comparison], api_name="compare_models")
+    # A new comparison's first disagreement (picked by `compare`) opens through the picker's change too.
+    disagreement.change(cb.open_disagreement, [comparison, disagreement], side_by_side, api_name="open_disagreement")
