@@ -20,9 +20,9 @@ from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, tas
 from app.service.diffing import first_difference
 from app.service.episodes import DiscardPlan, discard, plan_discard
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
-from app.service.session import AheadStatus, RunSession, Services
+from app.service.session import AheadStatus, RunSession, Services, load_note
 
-__all__ = ["AheadStatus", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
+__all__ = ["AheadStatus", "load_note", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
            "SavedAnnotation", "Services", "annotated_episode_choices", "build_annotation", "compute_time", "discard",
            "end_reason_text", "first_difference", "parse_number", "parse_settings", "plan_discard", "save_annotation",
            "task_turns"]

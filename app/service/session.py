@@ -148,8 +148,26 @@ class Services:
                 self._policies[key] = self._loader(*key)
             return self._policies[key]
 
+    def is_loaded(self, model: str, adapter: str | None) -> bool:
+        """Whether `policy` has this model (and adapter) already: the first Step with it waits for the load."""
+        with self._policy_lock:
+            return (model.strip(), adapter) in self._policies
+
     def adapters(self) -> list[str]:
         return sorted(set(discover_adapters()) | set(self.store.adapter_paths()))
+
+
+LOAD_FAST_S, LOAD_SLOW_S = 15, 60
+"""How long loading the embedded model and its adapter took on the project's 2-core CPU (`Services.policy`): about
+15 s on an idle machine, up to a minute while other processes share the cores (docs/PERFORMANCE.md)."""
+
+
+def load_note(model: str, loaded: bool) -> str:
+    """The Run tab's one sentence while a Step waits: the model loads once (first Step only) and about how long."""
+    if loaded:
+        return "Working: the model runs on this machine's CPU (a few seconds a step)."
+    return (f"Loading model {model}: once, on the first Step only (about {LOAD_FAST_S}-{LOAD_SLOW_S} s on a 2-core "
+            "CPU); later steps take a few seconds.")
 
 
 def _load_real_policy(model: str, adapter: str | None) -> Any:
@@ -345,7 +363,7 @@ class RunSession:
             return
         task, judge = request.task()  # validates before anything loads or is written
         if report is not None:
-            report(0.02, f"Loading model {request.model} (first step only)")
+            report(0.02, f"Loading model {request.model} (once)")  # the Run tab's message says how long
         inner = services.policy(request.model, request.adapter)
         try:
             selection.check_selector(inner, request.settings.selector, request.settings.mode)
