@@ -3,11 +3,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.service.catalog import INSTRUCTION_PREFIX
 from app.service.forms import InputError
 from app.store import Store, StoreError
 
 DISCARDABLE = ("interrupted", "stopped", "failed")
 """Statuses an episode may be discarded in (a finished one is a result; a running one is someone's run)."""
+
+
+def success_text(status: str, success: int | bool | None, task_id: str) -> str:
+    """The Traces table's success cell: the judge's result, or why there is none."""
+    if success is not None:
+        return "yes" if success else "no"
+    if task_id.startswith(INSTRUCTION_PREFIX):
+        return "not judged: a typed instruction has no expected result"
+    if status == "running":
+        return "not yet: running"
+    if status in ("stopped", "interrupted"):
+        return f"not judged: {status} before its end"
+    if status == "failed":
+        return "not judged: the run failed"
+    return "not judged: no judge for this task"
 
 
 @dataclass(frozen=True)

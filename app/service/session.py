@@ -149,9 +149,9 @@ class Services:
             return self._policies[key]
 
     def is_loaded(self, model: str, adapter: str | None) -> bool:
-        """Whether `policy` has this model (and adapter) already: the first Step with it waits for the load."""
-        with self._policy_lock:
-            return (model.strip(), adapter) in self._policies
+        """Whether `policy` has this model (and adapter) already: the first Step with it waits for the load. Without
+        the lock, which a load holds for its whole length (a dict lookup is atomic)."""
+        return (model.strip(), adapter) in self._policies
 
     def adapters(self) -> list[str]:
         return sorted(set(discover_adapters()) | set(self.store.adapter_paths()))

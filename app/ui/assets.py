@@ -30,8 +30,9 @@ VIEW_CSS = """
 .ea-metrics { font-size: 12px; margin-top: 4px; }
 .ea-fork-diff { font-size: 12px; margin-top: 4px; }
 .ea-memory { font-size: 12px; margin-top: 4px; }
-.ea-table { border-collapse: collapse; width: 100%; font-size: 12px; }
-.ea-table td, .ea-table th { border: 1px solid rgba(128,128,128,.3); padding: 3px 6px; text-align: left; vertical-align: top; }
+.ea-table { border-collapse: collapse; width: 100%; font-size: 12px; table-layout: fixed; }
+.ea-table td, .ea-table th { border: 1px solid rgba(128,128,128,.3); padding: 3px 6px; text-align: left; vertical-align: top; overflow-wrap: anywhere; }
+.ea-table code { white-space: pre-wrap; overflow-wrap: anywhere; }
 .ea-added { background: rgba(22,163,74,.1); }
 .ea-removed { background: rgba(220,38,38,.1); }
 .ea-first-diff { background: rgba(234,179,8,.25); font-weight: 600; }
