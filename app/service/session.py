@@ -348,6 +348,9 @@ class RunSession:
 
     def ensure_runner(self, services: Services, request: RunRequest, report: Report | None = None) -> None:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
+        if report is not None and not services.is_loaded(request.model, request.adapter):
+            # Said before waiting for the work ahead too: a picked task starts loading the model there.
+            report(0.02, f"Loading model {request.model} (once)")  # the Run tab's message says how long
         self._stop_ahead()
         self._open(services, request, report)
 
@@ -362,8 +365,6 @@ class RunSession:
             self.resumed, self.request = False, request
             return
         task, judge = request.task()  # validates before anything loads or is written
-        if report is not None:
-            report(0.02, f"Loading model {request.model} (once)")  # the Run tab's message says how long
         inner = services.policy(request.model, request.adapter)
         try:
             selection.check_selector(inner, request.settings.selector, request.settings.mode)
