@@ -87,11 +87,11 @@ def test_one_loading_indicator_and_a_step_computed_ahead_says_what_it_took(tmp_p
 
             # While the model loads: the progress line once, over the branch cards, and one sentence.
             cards = page.locator(f"#{C.ID_CARDS}")
-            expect(cards).to_contain_text("Loading model scripted (once)", timeout=TIMEOUT_MS)
+            expect(cards).to_contain_text("Loading model embedded (once)", timeout=TIMEOUT_MS)
             sentence = f"once, on the first Step only (about {LOAD_FAST_S}-{LOAD_SLOW_S} s on a 2-core CPU)"
             expect(page.locator(f"#{C.ID_RUN_MESSAGE}")).to_contain_text(sentence, timeout=TIMEOUT_MS)
             page.screenshot(path=str(tmp_path / "loading.png"))
-            assert page.evaluate(VISIBLE_WITH, "Loading model scripted (once)") == 1
+            assert page.evaluate(VISIBLE_WITH, "Loading model embedded (once)") == 1
             assert page.evaluate(VISIBLE_WITH, sentence) == 1
             release.set()
 

@@ -19,6 +19,7 @@ from app.store import Recorder
 from app.training.rows import expert_episode
 from app.ui import build_demo
 from app.ui import constants as C
+from app.ui import render
 from browser import launch
 from scripted import ScriptedPolicy
 
@@ -33,7 +34,7 @@ def call(name: str, **arguments) -> str:
 
 
 def seed(db: str) -> tuple[str, str]:
-    """An interrupted parallel episode whose alternatives write on forks (long paths in their fork diffs), two
+    """A stopped parallel episode whose alternatives write on forks (long paths in their fork diffs), two
     judged expert replays and a typed instruction's episode; returns the first's and the last's ids."""
     services = Services(db, policy_loader=lambda model, adapter: ScriptedPolicy([[call("pwd")], ["Done."]]))
     store = services.store
@@ -46,6 +47,8 @@ def seed(db: str) -> tuple[str, str]:
     recorder.start(runner.episode)
     runner.on_step = recorder
     runner.step()
+    runner.stop()
+    recorder.flush(runner.episode)  # stopped by the person after one step
     for task_id in (TASK, "bfcl:multi_turn_base_1"):
         episode = expert_episode(envs.load_task(task_id))
         expert = Recorder(store)
@@ -61,18 +64,18 @@ def seed(db: str) -> tuple[str, str]:
     return runner.episode.id, session.episode.id
 
 
-NARROWER_THAN_HEADER = """sel => [...document.querySelectorAll(sel + ' th')].filter(th => {
-  const text = th.innerText.trim();
-  if (!text) return false;
+NARROWER_THAN_HEADER = """sel => [...document.querySelectorAll(sel + ' th span.header')].filter(span => {
+  const text = span.innerText.trim();
   const ctx = document.createElement('canvas').getContext('2d');
-  ctx.font = getComputedStyle(th).font;
+  ctx.font = getComputedStyle(span).font;
   const widest = Math.max(...text.split(/\\s+/).map(w => ctx.measureText(w).width));
-  const pad = parseFloat(getComputedStyle(th).paddingLeft) + parseFloat(getComputedStyle(th).paddingRight);
-  return th.getBoundingClientRect().width < widest + pad - 1;
-}).map(th => th.innerText.trim())"""
+  return span.getBoundingClientRect().width < widest - 1;
+}).map(span => span.innerText.trim())"""
 """The header cells whose widest word does not fit their column (a squeezed column wraps it a letter a line)."""
-CUT_CELLS = """sel => [...document.querySelectorAll(sel + ' td')].filter(td => td.scrollWidth > td.clientWidth + 1)
-  .map(td => td.innerText.trim())"""
+CUT_CELLS = """sel => [...document.querySelectorAll(sel + ' .body-cell')].filter(cell =>
+  cell.scrollWidth > cell.clientWidth + 1 || [...cell.querySelectorAll('span')].some(span =>
+    span.getBoundingClientRect().right > cell.getBoundingClientRect().right + 1)).map(cell => cell.innerText.trim())"""
+"""The table's visible cells (Gradio 6 draws them as div.body-cell) whose text runs past their edge."""
 OVERFLOWING = """() => [...document.querySelectorAll('.ea-fork-diff table')].filter(t => {
   const card = t.closest('.ea-card').getBoundingClientRect(), box = t.getBoundingClientRect();
   return box.right > card.right + 0.5 || box.left < card.left - 0.5;
@@ -98,9 +101,10 @@ def test_traces_and_annotate_fit_and_explain_at_1400(tmp_path) -> None:
             page.get_by_role("tab", name="Traces").click()
             table = page.locator(f"#{C.ID_TRACES_TABLE}")
             expect(table).to_contain_text(interrupted, timeout=TIMEOUT_MS)
-            expect(table).to_contain_text("not judged: interrupted before its end")
+            expect(table).to_contain_text("not judged: stopped before its end")
             expect(table).to_contain_text("not judged: a typed instruction has no expected result")
-            expect(table.locator("td", has_text="yes").first).to_be_visible()
+            expect(table.locator(".body-cell", has_text="yes").first).to_be_visible()
+            assert table.locator("th span.header").count() == len(render.EPISODE_COLUMNS)
             page.screenshot(path=str(tmp_path / "traces-table.png"))
             assert page.evaluate(NARROWER_THAN_HEADER, f"#{C.ID_TRACES_TABLE}") == []
             assert page.evaluate(CUT_CELLS, f"#{C.ID_TRACES_TABLE}") == []
@@ -142,7 +146,7 @@ def test_traces_and_annotate_fit_and_explain_at_1400(tmp_path) -> None:
             expect(sheet).to_be_hidden()
 
             # A typed instruction's branch says what annotating it is for.
-            page.get_by_label("Episode", exact=True).click()
+            page.locator(f"#{C.ID_ANN_PANEL}").get_by_label("Episode", exact=True).click()
             page.get_by_role("option", name=instruction).click()
             load.click()
             expect(page.get_by_text("Branch 1 of")).to_be_visible(timeout=TIMEOUT_MS)
