@@ -124,9 +124,8 @@ def test_the_episodes_table_says_the_judged_result_or_why_there_is_none() -> Non
                                                  row("stopped", None), row("interrupted", None),
                                                  row("failed", None), row("finished", None),
                                                  row("finished", None, f"{INSTRUCTION_PREFIX}GorillaFileSystem")])]
-    assert cells == ["yes", "no", "not yet: running", "not judged: stopped before its end",
-                     "not judged: interrupted before its end", "not judged: the run failed",
-                     "not judged: no judge for this task", "not judged: a typed instruction has no expected result"]
+    assert cells == ["yes", "no", "not yet: running", "not judged: stopped", "not judged: interrupted",
+                     "not judged: failed", "not judged: no judge", "none: a typed instruction"]
     [first] = render.episode_rows([row("finished", 1, adapter="fixtures/adapters/envace-smollm2-135m/")])
     assert first[6] == "envace-smollm2-135m" and first[11] == "2026-12-06 23:25"
     assert len(render.EPISODE_COLUMN_WIDTHS) == len(render.EPISODE_COLUMNS) == len(first)

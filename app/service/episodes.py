@@ -12,18 +12,19 @@ DISCARDABLE = ("interrupted", "stopped", "failed")
 
 
 def success_text(status: str, success: int | bool | None, task_id: str) -> str:
-    """The Traces table's success cell: the judge's result, or why there is none."""
+    """The Traces table's success cell: the judge's result, or in a few words why there is none (a typed instruction
+    has no expected result; an episode is judged at its end)."""
     if success is not None:
         return "yes" if success else "no"
     if task_id.startswith(INSTRUCTION_PREFIX):
-        return "not judged: a typed instruction has no expected result"
+        return "none: a typed instruction"
     if status == "running":
         return "not yet: running"
     if status in ("stopped", "interrupted"):
-        return f"not judged: {status} before its end"
+        return f"not judged: {status}"
     if status == "failed":
-        return "not judged: the run failed"
-    return "not judged: no judge for this task"
+        return "not judged: failed"
+    return "not judged: no judge"
 
 
 @dataclass(frozen=True)

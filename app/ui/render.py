@@ -354,7 +354,7 @@ def ahead_line(status: AheadStatus) -> str:
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",
                    "external calls", "created"]
-EPISODE_COLUMN_WIDTHS = ["125px", "210px", "100px", "40px", "85px", "85px", "125px", "110px", "140px", "60px",
+EPISODE_COLUMN_WIDTHS = ["125px", "210px", "100px", "40px", "85px", "85px", "115px", "110px", "150px", "60px",
                          "85px", "150px"]
 """The Traces table's column widths (1,315 px: a 1400 px window's page): each column as wide as its header and its
 usual values (a task id, "interrupted", a date) in the table's monospace font; the squeezed default wrapped
