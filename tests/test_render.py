@@ -141,11 +141,11 @@ def test_a_fork_diff_table_shares_its_cards_width() -> None:
 
 def test_the_run_tab_says_the_model_loads_once_and_about_how_long() -> None:
     from app.service import load_note
-    from app.service.session import LOAD_FAST_S, LOAD_SLOW_S
+    from app.service.session import LOAD_SLOW_S
 
     first = load_note("embedded", loaded=False)
     assert first.startswith("Loading model embedded: once, on the first Step only")
-    assert f"about {LOAD_FAST_S}-{LOAD_SLOW_S} s" in first
+    assert f"up to about {LOAD_SLOW_S // 60} minutes" in first
     assert "Loading" not in load_note("embedded", loaded=True)
 
 
