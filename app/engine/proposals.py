@@ -10,11 +10,12 @@ model's own weights rank the tools of a step:
   (Min et al. 2022, "Noisy Channel Language Model Prompting"): how well each tool explains
   the request, which a direct model biased toward frequent names does not weigh. One batched
   pass per user turn (the request and the tools stay the same within a turn), over the
-  `RunSettings.relevance_top` tools the direct score ranks first (0: every tool): the request
-  under 8 tool lines instead of 17-35 made a task's first step the cheap one it was not, and
-  a tool outside them takes the lowest relevance computed, so it ranks below the direct
-  score's last scored tool and the order within the scored ones is the full channel's
-  (bench/results/step_latency_channel.json measures both the time and the call accuracy).
+  `RunSettings.relevance_top` tools the direct score ranks first (0: every tool; default 8, where
+  a task's tools are 17-35): a tool outside them takes the lowest relevance computed, so it ranks
+  below the direct score's last scored tool, and the order among the scored ones is the full
+  channel's. A step whose greedy action answers computes none. `bench/bench_step.py
+  --relevance-tops 0,8` times a task's first step and measures the ranking's call accuracy under
+  both in one run (bench/results/step_latency_channel.json).
 
 A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance` > 0 the
 step's primary call is re-aimed at the top-scoring tool when the greedy action calls
@@ -165,4 +166,5 @@ def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: G
     return ([gens[0], *forced] if distinct else gens), log_p
 
 
-__all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "RelevanceOf", "forced_tool_prompt", "propose", "rank_tools", "relevance"]
+__all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "RelevanceOf", "forced_tool_prompt", "propose", "rank_tools",
+           "relevance"]
