@@ -216,9 +216,11 @@ class RunSettings(BaseModel):
     relevance: float = Field(0.0, ge=0.0, le=4.0)
     """Weight of the noisy-channel score log P(request | tool) in the step's tool ranking (`app.engine.proposals`);
     0 leaves the tool to the greedy action."""
-    relevance_top: int = Field(8, ge=0, le=256)
+    relevance_top: int = Field(0, ge=0, le=256)
     """The channel scores the request under the tools the direct score ranks first, this many (0: every tool);
-    the others rank below them (`proposals.rank_tools`)."""
+    the others rank below them (`proposals.rank_tools`). 0 by default: 8 cut the first step's scoring 84 -> 49 s
+    (p50, 3 tasks, a machine loaded 10-fold) but put the expert's tool first at 5 of 18 call steps against 7
+    (bench/results/step_latency_channel.json)."""
     constrain: bool = True
     """Schema-constrained decoding (local models): an Act call names a tool of the step and
     matches its argument schema, a rehearsal matches the response schema or `{"error": str}`."""

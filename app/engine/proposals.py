@@ -10,12 +10,13 @@ model's own weights rank the tools of a step:
   (Min et al. 2022, "Noisy Channel Language Model Prompting"): how well each tool explains
   the request, which a direct model biased toward frequent names does not weigh. One batched
   pass per user turn (the request and the tools stay the same within a turn), over the
-  `RunSettings.relevance_top` tools the direct score ranks first (0: every tool; default 8, where
-  a task's tools are 17-35): a tool outside them takes the lowest relevance computed, so it ranks
-  below the direct score's last scored tool, and the order among the scored ones is the full
-  channel's. A step whose greedy action answers computes none. `bench/bench_step.py
-  --relevance-tops 0,8` times a task's first step and measures the ranking's call accuracy under
-  both in one run (bench/results/step_latency_channel.json).
+  `RunSettings.relevance_top` tools the direct score ranks first (default 0: every tool, 17-35 a
+  task): a tool outside them takes the lowest relevance computed, so it ranks below the direct
+  score's last scored tool, and the order among the scored ones is the full channel's. A step
+  whose greedy action answers computes none. `bench/bench_step.py --relevance-tops 0,8` times a
+  task's first step and measures the ranking's call accuracy under both in one run
+  (bench/results/step_latency_channel.json: 8 tools cut the scoring but lost call accuracy, 5 of
+  18 expert call steps against 7, so every tool stays the default).
 
 A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance` > 0 the
 step's primary call is re-aimed at the top-scoring tool when the greedy action calls
