@@ -17,6 +17,12 @@ Rehearse prompt, `app.engine.memory`), timed in the same run: writes `bench/resu
 `--ahead`: as the Run tab does, each step is computed ahead while a person would read the task picked or the
 last step (`EpisodeRunner.compute_ahead`, timed apart: the reading time the wait assumes), then Step is timed:
 the wait. Writes `bench/results/step_latency_ahead.json`.
+
+`--relevance-tops 0,8`: the channel over every tool (0) against the direct score's first N tools
+(`RunSettings.relevance_top`), in one run: each task's first `--steps` steps at each K under each value, interleaved
+task by task (no result kept from one to the next), and the ranking's call accuracy under each value, teacher-forced
+on the expert's call steps of the first `--accuracy-tasks` held-out tasks (the expert's tool ranked first).
+Writes `bench/results/step_latency_channel.json`.
 """
 from __future__ import annotations
 
@@ -70,6 +76,87 @@ def step_phases(runner: EpisodeRunner, recorder: Recorder, task: envs.Task,
     return {p: phases.get(p, 0.0) for p in PHASES}, runner.done
 
 
+def ranking_accuracy(policy, task_ids: list[str], tops: list[int], weight: float) -> dict[str, dict]:
+    """Teacher-forced: at each expert call step of `task_ids`, whether the ranking (`proposals.rank_tools`, the
+    channel asked for `top` tools) puts the expert's tool first, per `top`. The Act prompt is the runner's
+    (`rows.act_row_prompt`); the channel's scores are kept across tops, so each is computed once."""
+    from app.engine.history import latest_request
+    from app.engine.proposals import rank_tools, relevance
+    from app.training.rows import PromptContext, act_row_prompt, expert_episode, replay
+
+    ctx = PromptContext(policy.count_tokens, policy.context_window, settings=RunSettings(relevance=weight))
+    hits = {top: 0 for top in tops}
+    steps = 0
+    for task_id in tqdm(task_ids, desc="call accuracy"):
+        task = envs.load_task(task_id)
+        episode = expert_episode(task)
+        for view in replay(episode, task):
+            if view.step.kind != "call":
+                continue
+            steps += 1
+            prompt, request = act_row_prompt(view, ctx), latest_request(view.history)
+            for top in tops:
+                ranked = rank_tools(policy, prompt, view.tools, lambda tools: relevance(policy, request, tools),
+                                    weight, top)
+                hits[top] += ranked[0].tool.name == view.step.chosen_branch.call.name
+    return {str(top): {"call_steps": steps, "expert_tool_first": hits[top],
+                       "call_accuracy": round(hits[top] / steps, 3)} for top in tops}
+
+
+def channel_run(args, policy, task_ids: list[str]) -> None:
+    """`--relevance-tops`: first steps' seconds and the ranking's call accuracy per channel size, in one run."""
+    tops = [int(t) for t in args.relevance_tops.split(",")]
+    store = Store(Path(tempfile.mkdtemp()) / "bench.db")
+    rows: dict[str, dict] = {}
+    for k in map(int, args.ks.split(",")):
+        settings = {top: RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
+                                     proposal=args.proposal, relevance=args.relevance, relevance_top=top)
+                    for top in tops}
+        EpisodeRunner(envs.load_task(task_ids[0]), policy, settings[tops[0]]).step()  # warm-up
+        policy.forget_scores()
+        totals = {top: [] for top in tops}
+        scoring = {top: [] for top in tops}
+        per_step = {top: [] for top in tops}
+        for task_id in tqdm(task_ids, desc=f"K={k}"):
+            task = envs.load_task(task_id)
+            for top in tops:  # interleaved: the machine's load falls on both alike
+                policy.reset_cache()
+                policy.forget_scores(prompts=args.cold_prompts)
+                runner = EpisodeRunner(task, policy, settings[top])
+                recorder = Recorder(store)
+                recorder.start(runner.episode)
+                for i in range(args.steps):
+                    phases, done = step_phases(runner, recorder, task)
+                    seconds = sum(phases.values())
+                    per_step[top].append({"task": task_id, "step": i, "seconds": round(seconds, 3),
+                                          "scoring_s": round(phases["scoring"], 3)})
+                    if i == 0:
+                        totals[top].append(seconds)
+                        scoring[top].append(phases["scoring"])
+                    if done:
+                        break
+        for top in tops:
+            rows[f"{k}/top{top}"] = {"first_steps": len(totals[top]),
+                                     "first_steps_p50_s": round(statistics.median(totals[top]), 2),
+                                     "first_steps_mean_s": round(statistics.mean(totals[top]), 2),
+                                     "first_steps_scoring_p50_s": round(statistics.median(scoring[top]), 2),
+                                     "per_step": per_step[top]}
+            print(f"K={k}, channel over {'every tool' if top == 0 else f'the first {top} tools'}: first step p50 "
+                  f"{rows[f'{k}/top{top}']['first_steps_p50_s']} s (scoring "
+                  f"{rows[f'{k}/top{top}']['first_steps_scoring_p50_s']} s) over {len(totals[top])} tasks")
+    policy.forget_scores()
+    accuracy_ids = envs.list_tasks("multi_turn_base", "heldout")[: args.accuracy_tasks]
+    accuracy = ranking_accuracy(policy, accuracy_ids, tops, args.relevance)
+    for top, row in accuracy.items():
+        print(f"channel top {top}: the expert's tool first at {row['expert_tool_first']} of {row['call_steps']} "
+              f"call steps ({row['call_accuracy']})")
+    write_results("step_latency_channel", {"adapter": SHIPPED_ADAPTER.name, "weights": policy.loaded.weights,
+                                           "selector": "logprob", "proposal": args.proposal,
+                                           "relevance": args.relevance, "cold_prompts": args.cold_prompts,
+                                           "tasks": task_ids, "steps_per_task": args.steps, "results": rows,
+                                           "accuracy_tasks": accuracy_ids, "call_accuracy": accuracy})
+
+
 def top_functions(profile: cProfile.Profile, n: int = 20) -> list[dict]:
     """The `n` functions with the most time of their own, with their share of all profiled time."""
     stats = pstats.Stats(profile).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, callers)}
@@ -112,6 +199,10 @@ def main() -> None:
                         help="time each K with the rehearsal memory off and seeded (step_latency_memory.json)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the steps (writes step_profile.json only: the profiler slows them)")
+    parser.add_argument("--relevance-tops", default="",
+                        help="e.g. 0,8: first steps and call accuracy per channel size (step_latency_channel.json)")
+    parser.add_argument("--accuracy-tasks", type=int, default=24,
+                        help="--relevance-tops: first N held-out tasks for the teacher-forced call accuracy")
     args = parser.parse_args()
 
     import model_backend
@@ -121,6 +212,9 @@ def main() -> None:
 
     policy = model_backend.load_policy("embedded", adapter=SHIPPED_ADAPTER)
     task_ids = envs.list_tasks("multi_turn_base", "heldout")[: args.tasks]
+    if args.relevance_tops:
+        channel_run(args, policy, task_ids)
+        return
     store = Store(Path(tempfile.mkdtemp()) / "bench.db")
     rows: dict[str, dict] = {}
     profiles: dict[str, list[dict]] = {}

@@ -312,6 +312,25 @@ def test_relevance_re_aims_the_primary_at_the_best_ranked_tool():
     assert second.turn == first.turn and policy.relevance_calls == 1
 
 
+def test_relevance_top_scores_the_direct_scores_first_tools_only():
+    """`relevance_top` N: the channel scores the request under the N tools the direct score ranks first; a tool
+    outside them ranks below them whatever its relevance would have been. `delete` (direct -2.0, 4th) would win on
+    relevance, but with N=2 only `get` and `list_keys` are scored, and `list_keys` wins; N=0 scores every tool."""
+    def primary(top):
+        r, _ = runner([[call("get", key="size")]],
+                      settings=RunSettings(mode="none", branches=1, relevance=1.0, relevance_top=top),
+                      name_scores=RANKS, relevance={"delete": 10.0, "list_keys": 0.0},
+                      arguments={"delete": {"key": "size"}})
+        step = r.step()
+        return step.branches[0].call.name, r._relevance_cache
+
+    name, asked = primary(2)
+    assert name == "list_keys" and sorted(k[1] for k in asked) == ["get", "list_keys"]
+    name, asked = primary(0)
+    assert name == "delete" and sorted(k[1] for k in asked) == sorted(RANKS)
+    assert RunSettings.from_stored({}).relevance_top == 0  # stored before the field: every tool was scored
+
+
 def test_relevance_leaves_a_plain_answer_alone():
     r, policy = runner([["All done."]], settings=RunSettings(mode="none", branches=1, relevance=1.0),
                        name_scores=RANKS, relevance={"set": 0.0})

@@ -117,3 +117,50 @@ def test_the_status_of_a_rehearsal_names_its_source() -> None:
     assert "Rehearsal" not in render.episode_status(r.episode)
     status = render.episode_status(r.episode.model_copy(update={"source_episode": "abc123"}))
     assert "**Rehearsal** of episode `abc123`" in status and "recorded history" in status
+
+
+def test_the_episodes_table_says_the_judged_result_or_why_there_is_none() -> None:
+    """The Traces table's success cell: yes/no once judged; otherwise why not (typed instruction, running,
+    stopped or interrupted before the end, failed); the adapter by its directory's name."""
+    from app.service import INSTRUCTION_PREFIX
+
+    def row(status, success, task_id="bfcl:multi_turn_base_0", adapter=None):
+        return {"id": "e1", "task_id": task_id, "mode": "parallel", "branches": 3, "selector": "logprob",
+                "model": "embedded", "adapter": adapter, "status": status, "success": success, "n_steps": 2,
+                "external_calls": 1, "created_at": "2026-12-06T23:25:01.123"}
+
+    cells = [r[8] for r in render.episode_rows([row("finished", 1), row("finished", 0), row("running", None),
+                                                 row("stopped", None), row("interrupted", None),
+                                                 row("failed", None), row("finished", None),
+                                                 row("finished", None, f"{INSTRUCTION_PREFIX}GorillaFileSystem")])]
+    assert cells == ["yes", "no", "not yet: running", "not judged: stopped", "not judged: interrupted",
+                     "not judged: failed", "not judged: no judge", "none: a typed instruction"]
+    [first] = render.episode_rows([row("finished", 1, adapter="fixtures/adapters/envace-smollm2-135m/")])
+    assert first[6] == "envace-smollm2-135m" and first[11] == "2026-12-06 23:25"
+    assert len(render.EPISODE_COLUMN_WIDTHS) == len(render.EPISODE_COLUMNS) == len(first)
+
+
+def test_a_fork_diff_table_shares_its_cards_width() -> None:
+    """Fixed layout with a path column of 40%: a long state path wraps inside the card instead of widening it."""
+    html = render.changes_table([("['GorillaFileSystem']['root']['contents']['a_very_long_name']", "added", None, 1)])
+    assert '<colgroup><col style="width:40%">' in html
+    from app.ui.assets import VIEW_CSS
+    assert "table-layout: fixed" in VIEW_CSS and "overflow-wrap: anywhere" in VIEW_CSS
+
+
+def test_the_run_tab_says_the_model_loads_once_and_about_how_long() -> None:
+    from app.service import load_note
+    from app.service.session import LOAD_SLOW_S
+
+    first = load_note("embedded", loaded=False)
+    assert first.startswith("Loading model embedded: once, on the first Step only")
+    assert f"up to about {LOAD_SLOW_S // 60} minutes" in first
+    assert "Loading" not in load_note("embedded", loaded=True)
+
+
+def test_a_typed_instructions_branch_says_what_annotating_it_is_for() -> None:
+    from app.service import INSTRUCTION_PREFIX, branch_use_note
+
+    note = branch_use_note(f"{INSTRUCTION_PREFIX}GorillaFileSystem")
+    assert "never judged" in note and "rehearsal memory" in note and "Act row" in note
+    assert branch_use_note("bfcl:multi_turn_base_0") == ""

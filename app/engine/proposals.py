@@ -9,7 +9,14 @@ model's own weights rank the tools of a step:
 - `relevance`: log P(user request | a line describing the tool), the noisy channel
   (Min et al. 2022, "Noisy Channel Language Model Prompting"): how well each tool explains
   the request, which a direct model biased toward frequent names does not weigh. One batched
-  pass per user turn (the request and the tools stay the same within a turn).
+  pass per user turn (the request and the tools stay the same within a turn), over the
+  `RunSettings.relevance_top` tools the direct score ranks first (default 0: every tool, 17-35 a
+  task): a tool outside them takes the lowest relevance computed, so it ranks below the direct
+  score's last scored tool, and the order among the scored ones is the full channel's. A step
+  whose greedy action answers computes none. `bench/bench_step.py --relevance-tops 0,8` times a
+  task's first step and measures the ranking's call accuracy under both in one run
+  (bench/results/step_latency_channel.json: 8 tools cut the scoring but lost call accuracy, 5 of
+  18 expert call steps against 7, so every tool stays the default).
 
 A tool's score is `direct + RunSettings.relevance * relevance`. With `relevance` > 0 the
 step's primary call is re-aimed at the top-scoring tool when the greedy action calls
@@ -30,6 +37,7 @@ pass) ahead of its generated ones when unconstrained, so `logprob` still compare
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.envs.base import Tool
@@ -50,7 +58,8 @@ class RankedTool:
     name_logprobs: list[float]
     """Token log-probabilities of the name (closing quote included) after `<tool_call>{"name": "`."""
     relevance: float
-    """log P(request | tool), 0.0 when not computed."""
+    """log P(request | tool): 0.0 when no relevance was given, the lowest computed for a tool outside the
+    channel's `top` (`rank_tools`)."""
     score: float
     """`sum(name_logprobs) + weight * relevance`: the ranking key."""
     log_p: float = 0.0
@@ -72,13 +81,27 @@ def relevance(policy: Policy, request: str, tools: list[Tool]) -> dict[str, floa
     return {t.name: sum(lps) for t, lps in zip(tools, logprobs)}
 
 
-def rank_tools(policy: Policy, prompt: Prompt, tools: list[Tool], relevance_by_name: dict[str, float] | None = None,
-               weight: float = 0.0) -> list[RankedTool]:
-    """`tools` by `direct + weight * relevance`, best first (ties keep the prompt's order)."""
+RelevanceOf = Callable[[list[Tool]], dict[str, float]]
+"""Computes `relevance` for the tools it is given (the runner's, kept per user turn)."""
+
+
+def rank_tools(policy: Policy, prompt: Prompt, tools: list[Tool],
+               relevance_by_name: dict[str, float] | RelevanceOf | None = None, weight: float = 0.0,
+               top: int = 0) -> list[RankedTool]:
+    """`tools` by `direct + weight * relevance`, best first (ties keep the prompt's order). `relevance_by_name`
+    given as a function is asked for the `top` tools of the direct score only (0: every tool), and a tool outside
+    them takes the lowest relevance it returned."""
     ranking = Prompt(prompt.messages, prefill=opened(prompt) + NAME_OPEN)
     logprobs = policy.score([ranking] * len(tools), [t.name + '"' for t in tools])
-    rel = relevance_by_name or {}
-    ranked = [RankedTool(t, lps, rel.get(t.name, 0.0), sum(lps) + weight * rel.get(t.name, 0.0))
+    floor = 0.0
+    if callable(relevance_by_name):
+        by_direct = sorted(range(len(tools)), key=lambda i: -sum(logprobs[i]))  # stable: ties keep the order
+        asked = [tools[i] for i in by_direct[:top]] if 0 < top < len(tools) else tools
+        rel = relevance_by_name(asked) if weight > 0 else {}
+        floor = min(rel.values(), default=0.0)
+    else:
+        rel = relevance_by_name or {}
+    ranked = [RankedTool(t, lps, rel.get(t.name, floor), sum(lps) + weight * rel.get(t.name, floor))
               for t, lps in zip(tools, logprobs)]
     ranked.sort(key=lambda r: -r.score)
     if ranked:
@@ -118,9 +141,10 @@ def forced_calls(policy: Policy, prompt: Prompt, ranked: list[RankedTool], confi
 
 
 def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: GenerationConfig, proposal: str,
-            relevance_by_name: dict[str, float] | None = None,
-            weight: float = 0.0) -> tuple[list[Generation], dict[str, float]]:
-    """The step's K candidates and, when tools were ranked with a relevance weight, each tool's `log_p`."""
+            relevance_by_name: dict[str, float] | RelevanceOf | None = None,
+            weight: float = 0.0, top: int = 0) -> tuple[list[Generation], dict[str, float]]:
+    """The step's K candidates and, when tools were ranked with a relevance weight, each tool's `log_p`
+    (`relevance_by_name` and `top` as in `rank_tools`: a function is asked only when the tools are ranked)."""
     distinct = proposal == "tools" and k > 1 and len(tools) > 1
     retool = weight > 0 and len(tools) > 1
     gens = policy.act(prompt, 1 if distinct else k, config)
@@ -129,7 +153,7 @@ def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: G
     taken = called_tool(gens[0])
     if taken is None and not distinct:  # the greedy action answers (or failed to parse): nothing to re-aim
         return gens, {}
-    ranked = rank_tools(policy, prompt, tools, relevance_by_name, weight)
+    ranked = rank_tools(policy, prompt, tools, relevance_by_name, weight, top)
     # Relative to the top tool (0 for it), so that a call to the top tool and a plain answer still
     # compare by their Act log-probabilities alone, as without a ranking.
     log_p = {r.tool.name: r.log_p - ranked[0].log_p for r in ranked} if weight > 0 else {}
@@ -143,4 +167,5 @@ def propose(policy: Policy, prompt: Prompt, tools: list[Tool], k: int, config: G
     return ([gens[0], *forced] if distinct else gens), log_p
 
 
-__all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "forced_tool_prompt", "propose", "rank_tools", "relevance"]
+__all__ = ["NAME_OPEN", "TOOL_SCORE", "RankedTool", "RelevanceOf", "forced_tool_prompt", "propose", "rank_tools",
+           "relevance"]

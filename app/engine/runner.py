@@ -86,7 +86,8 @@ class EpisodeRunner:
         """Steps whose response differed when `resume` executed them again."""
         self.typed_turns: dict[int, str] = {}
         """User turns a person typed (`add_user_turn`), by turn index."""
-        self._relevance_cache: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
+        self._relevance_cache: dict[tuple[str, str], float] = {}
+        """log P(request | tool) by (the open turn's request, tool name): `_relevance`."""
         self.memory = memory
         """Real transitions the Rehearse prompts retrieve from (`settings.memory` says which); every real
         response this episode observes is added to it. None: no retrieval, nothing remembered."""
@@ -355,17 +356,22 @@ class EpisodeRunner:
         prompt, config = self._act_prompt(ctx.tools_list, memory), self._act_config(ctx.index, attempt)
         weight = self.settings.relevance
         generations, log_p = proposals.propose(self.policy, prompt, ctx.tools_list, k, config, self.settings.proposal,
-                                               self._relevance(ctx.tools_list) if weight > 0 else None, weight)
+                                               self._relevance if weight > 0 else None, weight,
+                                               self.settings.relevance_top)
         ctx.tool_log_p.update(log_p)
         return generations
 
     def _relevance(self, tools: list[Tool]) -> dict[str, float]:
-        """`proposals.relevance` for the open turn's request, computed once per (request, tools)."""
+        """`proposals.relevance` of the open turn's request for `tools`, each tool computed once a turn (the
+        ranking asks for the direct score's first tools, which a later step of the turn may change)."""
         request = latest_request(self.history)
-        key = (request, tuple(t.name for t in tools))
-        if key not in self._relevance_cache:
-            self._relevance_cache = {key: proposals.relevance(self.policy, request, tools)}
-        return self._relevance_cache[key]
+        if any(key[0] != request for key in self._relevance_cache):  # a new turn: the last one's are no use
+            self._relevance_cache = {key: v for key, v in self._relevance_cache.items() if key[0] == request}
+        missing = [t for t in tools if (request, t.name) not in self._relevance_cache]
+        if missing:
+            for name, value in proposals.relevance(self.policy, request, missing).items():
+                self._relevance_cache[(request, name)] = value
+        return {t.name: self._relevance_cache[(request, t.name)] for t in tools}
 
     @staticmethod
     def key_of(generation: Generation) -> str:

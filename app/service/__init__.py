@@ -15,14 +15,14 @@ The UI reaches the engine, environments and models only through this package (te
 nothing here imports Gradio.
 """
 from app.engine.report import compute_time, end_reason_text
-from app.service.annotations import SavedAnnotation, annotated_episode_choices, save_annotation
+from app.service.annotations import SavedAnnotation, annotated_episode_choices, branch_use_note, save_annotation
 from app.service.catalog import ENV_CLASSES, INSTRUCTION_PREFIX, RunRequest, task_turns
 from app.service.diffing import first_difference
-from app.service.episodes import DiscardPlan, discard, plan_discard
+from app.service.episodes import DiscardPlan, discard, plan_discard, success_text
 from app.service.forms import InputError, build_annotation, parse_number, parse_settings
-from app.service.session import AheadStatus, RunSession, Services
+from app.service.session import AheadStatus, RunSession, Services, load_note
 
-__all__ = ["AheadStatus", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
+__all__ = ["AheadStatus", "branch_use_note", "load_note", "success_text", "DiscardPlan", "ENV_CLASSES", "INSTRUCTION_PREFIX", "InputError", "RunRequest", "RunSession",
            "SavedAnnotation", "Services", "annotated_episode_choices", "build_annotation", "compute_time", "discard",
            "end_reason_text", "first_difference", "parse_number", "parse_settings", "plan_discard", "save_annotation",
            "task_turns"]

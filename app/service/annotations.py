@@ -48,6 +48,18 @@ def episode_tools(episode: Episode, step_index: int) -> list[Tool]:
             close()
 
 
+INSTRUCTION_BRANCH_USE = ("A typed instruction has no expected result, so this branch is never judged. What a "
+                          "correction of it is for: a corrected response joins the rehearsal memory at once (the next "
+                          "rehearsal of that call retrieves it) and becomes a Rehearse row of a fine-tune; a corrected "
+                          "action becomes an Act row (Fine-tune tab, with this episode picked).")
+
+
+def branch_use_note(task_id: str) -> str:
+    """What annotating a branch of this task's episodes is for, where it is not the usual (a judged task): a typed
+    instruction's. Empty for a benchmark task."""
+    return INSTRUCTION_BRANCH_USE if task_id.startswith(INSTRUCTION_PREFIX) else ""
+
+
 def save_annotation(store: Store, branch_id: int, label: str | None, corrected_predicted: str,
                     corrected_action: str, note: str, annotator: str, *, answer: bool = False,
                     remember: Callable[[list[Transition]], list[Transition]] | None = None) -> SavedAnnotation:

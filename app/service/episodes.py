@@ -3,11 +3,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.service.catalog import INSTRUCTION_PREFIX
 from app.service.forms import InputError
 from app.store import Store, StoreError
 
 DISCARDABLE = ("interrupted", "stopped", "failed")
 """Statuses an episode may be discarded in (a finished one is a result; a running one is someone's run)."""
+
+
+def success_text(status: str, success: int | bool | None, task_id: str) -> str:
+    """The Traces table's success cell: the judge's result, or in a few words why there is none (a typed instruction
+    has no expected result; an episode is judged at its end)."""
+    if success is not None:
+        return "yes" if success else "no"
+    if task_id.startswith(INSTRUCTION_PREFIX):
+        return "none: a typed instruction"
+    if status == "running":
+        return "not yet: running"
+    if status in ("stopped", "interrupted"):
+        return f"not judged: {status}"
+    if status == "failed":
+        return "not judged: failed"
+    return "not judged: no judge"
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,27 @@ class Services:
                 self._policies[key] = self._loader(*key)
             return self._policies[key]
 
+    def is_loaded(self, model: str, adapter: str | None) -> bool:
+        """Whether `policy` has this model (and adapter) already: the first Step with it waits for the load. Without
+        the lock, which a load holds for its whole length (a dict lookup is atomic)."""
+        return (model.strip(), adapter) in self._policies
+
     def adapters(self) -> list[str]:
         return sorted(set(discover_adapters()) | set(self.store.adapter_paths()))
+
+
+LOAD_SLOW_S = 120
+"""About the longest a load of the embedded model with the shipped adapter takes here (`Services.policy`): measured
+103 s and 141 s on the project's 2-core AMD EPYC while other processes kept 10-20 of them busy (load average);
+a machine to itself takes a fraction of that."""
+
+
+def load_note(model: str, loaded: bool) -> str:
+    """The Run tab's one sentence while a Step waits: the model loads once (first Step only) and about how long."""
+    if loaded:
+        return "Working: the model runs on this machine's CPU (a few seconds a step)."
+    return (f"Loading model {model}: once, on the first Step only (up to about {LOAD_SLOW_S // 60} minutes on a busy "
+            "2-core CPU); later steps take seconds.")
 
 
 def _load_real_policy(model: str, adapter: str | None) -> Any:
@@ -330,6 +349,9 @@ class RunSession:
 
     def ensure_runner(self, services: Services, request: RunRequest, report: Report | None = None) -> None:
         """Continue the episode when the request is unchanged; otherwise start a new one."""
+        if report is not None and not services.is_loaded(request.model, request.adapter):
+            # Said before waiting for the work ahead too: a picked task starts loading the model there.
+            report(0.02, f"Loading model {request.model} (once)")  # the Run tab's message says how long
         self._stop_ahead()
         self._open(services, request, report)
 
@@ -344,8 +366,6 @@ class RunSession:
             self.resumed, self.request = False, request
             return
         task, judge = request.task()  # validates before anything loads or is written
-        if report is not None:
-            report(0.02, f"Loading model {request.model} (first step only)")
         inner = services.policy(request.model, request.adapter)
         try:
             selection.check_selector(inner, request.settings.selector, request.settings.mode)

@@ -7,7 +7,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.service import InputError, Services, save_annotation
+from app.service import InputError, Services, branch_use_note, save_annotation
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render
@@ -61,6 +61,9 @@ class AnnotateCallbacks:
         header = (f"**Branch {queue.pos + 1} of {len(queue.ids)}** · id {branch_id} · episode "
                   f"{render.md_code(row['episode_id'])} · step {row['step_idx']} · branch b{row['idx']} · task "
                   f"{render.md_code(row['task_id'])} · mode {render.md_text(str(row['mode']))}")
+        use = branch_use_note(row["task_id"])
+        if use:
+            header += f"\n\n{render.md_text(use)}"
         existing = self.services.store.annotation_records(branch_id)
         # Names, notes and corrections come from other people (and imported files): literal text only.
         lines = [f"- {render.md_text(a.created_at[:19])} · **{render.md_text(a.label or '(no label)')}** "
@@ -116,6 +119,11 @@ class AnnotateCallbacks:
         _, branch = self.services.store.get_branch(queue.current)
         return json.dumps(branch.actual, indent=1, sort_keys=True, ensure_ascii=False) \
             if branch.actual_source else gr.skip()
+
+    @staticmethod
+    def remembered_annotator(remembered: str | None, current: str | None) -> Any:
+        """The name this browser used last, where the field is empty (a typed or signed-in name stays)."""
+        return remembered if (remembered or "").strip() and not (current or "").strip() else gr.skip()
 
     @staticmethod
     def annotator_from_login(profile: gr.OAuthProfile | None) -> Any:

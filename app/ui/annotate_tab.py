@@ -28,6 +28,14 @@ def build_annotate_tab(services: Services, tab: gr.Tab) -> gr.Textbox:
     cb = AnnotateCallbacks(services)
     queue = gr.State(ReviewQueue())
     with gr.Column(elem_id=C.ID_ANN_PANEL):
+        # First, since Save needs it: a name typed once stays for this browser (`remembered`).
+        with gr.Row():
+            if login_available():
+                gr.LoginButton()
+            annotator = gr.Textbox(label="Annotator", placeholder="your name (filled in when signed in)",
+                                   elem_id=C.ID_ANN_ANNOTATOR,
+                                   info="needed before Save: each annotation is stored with it; remembered in "
+                                        "this browser")
         with gr.Row():
             diverged = gr.Checkbox(True, label="Diverged only")
             unannotated = gr.Checkbox(True, label="Unannotated only")
@@ -54,13 +62,14 @@ def build_annotate_tab(services: Services, tab: gr.Tab) -> gr.Textbox:
                                           "with valid arguments.")
                 note = gr.Textbox(label="Note", lines=2)
                 use_actual = gr.Button("Start the correction from the actual response", size="sm")
-        with gr.Row():
-            if login_available():
-                gr.LoginButton()
-            annotator = gr.Textbox(label="Annotator", placeholder="your name (filled in when signed in)")
-            save = gr.Button(C.SAVE_NEXT, variant="primary", elem_id=C.ID_ANN_SAVE)
+        save = gr.Button(C.SAVE_NEXT, variant="primary", elem_id=C.ID_ANN_SAVE)
         gr.HTML(CHEATSHEET, elem_id=C.ID_ANN_CHEATSHEET, css_template=VIEW_CSS)
 
+    remembered = gr.BrowserState("", storage_key=C.ANNOTATOR_STORAGE_KEY)
+    annotator.change(lambda name: name, annotator, remembered, queue=False, show_progress="hidden",
+                     api_visibility="private")
+    tab.select(AnnotateCallbacks.remembered_annotator, [remembered, annotator], annotator, queue=False,
+               show_progress="hidden", api_visibility="private")
     view = [message, header, card, existing, label, corrected_predicted, corrected_action, note, answer]
     load.click(cb.load_queue, [queue, diverged, unannotated, tool, episode], view, api_name="annotation_queue")
     tab.select(cb.filter_choices, None, [tool, episode], api_visibility="private")

@@ -30,8 +30,9 @@ VIEW_CSS = """
 .ea-metrics { font-size: 12px; margin-top: 4px; }
 .ea-fork-diff { font-size: 12px; margin-top: 4px; }
 .ea-memory { font-size: 12px; margin-top: 4px; }
-.ea-table { border-collapse: collapse; width: 100%; font-size: 12px; }
-.ea-table td, .ea-table th { border: 1px solid rgba(128,128,128,.3); padding: 3px 6px; text-align: left; vertical-align: top; }
+.ea-table { border-collapse: collapse; width: 100%; font-size: 12px; table-layout: fixed; }
+.ea-table td, .ea-table th { border: 1px solid rgba(128,128,128,.3); padding: 3px 6px; text-align: left; vertical-align: top; overflow-wrap: anywhere; }
+.ea-table code { white-space: pre-wrap; overflow-wrap: anywhere; }
 .ea-added { background: rgba(22,163,74,.1); }
 .ea-removed { background: rgba(220,38,38,.1); }
 .ea-first-diff { background: rgba(234,179,8,.25); font-weight: 600; }
@@ -40,6 +41,11 @@ VIEW_CSS = """
 .ea-msg-error { background: rgba(220,38,38,.12); border: 1px solid #dc2626; }
 .ea-msg-info { background: rgba(59,130,246,.10); border: 1px solid rgba(59,130,246,.6); }
 .ea-cheatsheet table td { padding: 2px 8px; }
+/* Opened over the page, near its top right, where it is seen whatever the scroll (at the bottom of the tab it
+   opened below the fold). */
+.ea-cheatsheet { position: fixed; top: 96px; right: 24px; z-index: 1000; max-width: 460px; padding: 10px 14px;
+  background: var(--background-fill-primary, #fff); border: 1px solid rgba(128,128,128,.5); border-radius: 8px;
+  box-shadow: 0 6px 24px rgba(0,0,0,.18); font-size: 13px; }
 """
 
 CHEATSHEET = f"""<div class="ea-cheatsheet" style="display:none"><b>Keyboard (Annotate tab)</b>
@@ -47,7 +53,7 @@ CHEATSHEET = f"""<div class="ea-cheatsheet" style="display:none"><b>Keyboard (An
 <tr><td><kbd>←</kbd> / <kbd>→</kbd></td><td>previous / next branch</td></tr>
 <tr><td><kbd>1</kbd>…<kbd>5</kbd></td><td>label: {' · '.join(f'{i + 1} {label}' for i, label in enumerate(C.LABELS))}</td></tr>
 <tr><td><kbd>Ctrl</kbd>+<kbd>Enter</kbd></td><td>save and go to the next branch (also inside a text field)</td></tr>
-<tr><td><kbd>?</kbd></td><td>show or hide this sheet</td></tr>
+<tr><td><kbd>?</kbd></td><td>show or hide this sheet (or the <b>? Keyboard</b> button)</td></tr>
 </table></div>"""
 
 # Installed once per page by demo.load(js=...). Keys act only while the Annotate tab is

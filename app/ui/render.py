@@ -18,7 +18,7 @@ from deepdiff import DeepDiff
 
 from app.formats import canonical_json
 from app.records import Branch, Episode, Step
-from app.service import AheadStatus, compute_time, end_reason_text
+from app.service import AheadStatus, compute_time, end_reason_text, success_text
 
 PRE_CHARS = 4000
 """Longest JSON shown in a card before it is cut (the full value stays in the store)."""
@@ -300,7 +300,9 @@ def changes_table(rows: list[tuple[str, str, Any, Any]]) -> str:
                    f'<td><code>{esc(short(old, 120)) if kind != "added" else ""}</code></td>'
                    f'<td><code>{esc(short(new, 120)) if kind != "removed" else ""}</code></td></tr>'
                    for path, kind, old, new in rows)
-    return (f'<table class="ea-table"><thead><tr><th>path</th><th>change</th><th>before</th><th>after</th>'
+    # Fixed layout (assets): the columns share the container's width and long paths wrap, never overflow it.
+    return (f'<table class="ea-table"><colgroup><col style="width:40%"><col style="width:64px"><col><col>'
+            f'</colgroup><thead><tr><th>path</th><th>change</th><th>before</th><th>after</th>'
             f'</tr></thead><tbody>{body}</tbody></table>')
 
 
@@ -365,13 +367,19 @@ def ahead_line(status: AheadStatus) -> str:
 
 EPISODE_COLUMNS = ["id", "task", "mode", "K", "selector", "model", "adapter", "status", "success", "steps",
                    "external calls", "created"]
+EPISODE_COLUMN_WIDTHS = ["125px", "210px", "100px", "40px", "85px", "85px", "115px", "110px", "150px", "60px",
+                         "85px", "150px"]
+"""The Traces table's column widths (1,315 px: a 1400 px window's page): each column as wide as its header and its
+usual values (a task id, "interrupted", a date) in the table's monospace font; the squeezed default wrapped
+"success" a letter a line and cut the date off."""
 
 
 def episode_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    success = {None: "", 1: "yes", 0: "no"}
-    return [[r["id"], r["task_id"], r["mode"], r["branches"], r["selector"], r["model"], r["adapter"] or "",
-             r["status"], success.get(r["success"], ""), r["n_steps"], r["external_calls"],
-             (r["created_at"] or "")[:19].replace("T", " ")] for r in rows]
+    """The Traces table's rows: the adapter by its directory's name (the full path is in the episode)."""
+    return [[r["id"], r["task_id"], r["mode"], r["branches"], r["selector"], r["model"],
+             (r["adapter"] or "").rstrip("/").rsplit("/", 1)[-1], r["status"],
+             success_text(r["status"], r["success"], r["task_id"]), r["n_steps"], r["external_calls"],
+             (r["created_at"] or "")[:16].replace("T", " ")] for r in rows]
 
 
 def comparison(a: Episode, b: Episode, first: int | None) -> str:

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from app.service import (InputError, RunRequest, RunSession, Services, end_reason_text, parse_settings,
-                         task_turns)
+from app.service import (InputError, RunRequest, RunSession, Services, end_reason_text, load_note,
+                         parse_settings, task_turns)
 from app.ui import constants as C
 from app.ui import render
 
@@ -114,7 +114,8 @@ class RunCallbacks:
                     n = len(session.episode.steps) if session.episode else 0
                     progress(fraction, desc=f"Step {n}: {text}")
 
-                yield (message_html("Working… the model runs on this machine's CPU."), *(gr.skip(),) * 5)
+                loaded = self.services.is_loaded(request.model, request.adapter)
+                yield (message_html(load_note(request.model, loaded)), *(gr.skip(),) * 5)
                 if scope == "step":
                     step = session.step(self.services, request, report)
                     yield self.view(session, message_html("" if step else self.over(session)))

@@ -109,6 +109,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             "memory": memory, "memory_k": memory_k, "keep_primary": keep_primary,
             "max_rehearsal_tokens": max_rehearsal_tokens}
     outputs = [message, status, chat, timeline, cards, state_view]
+    # One progress indicator, over the branch cards (where the step appears): on every output, a first Step's
+    # "Loading model" line was printed six times over the tab.
     model_events = {"concurrency_id": "model", "concurrency_limit": C.MODEL_CONCURRENCY}
     # While a step runs, Step, Run turn and Run to end are disabled (a second press waits for the first to end,
     # it never queues a hidden extra step) and Stop is highlighted; both are restored however the step ends.
@@ -117,15 +119,18 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     idle = lambda: [gr.Button(variant="secondary")] + [gr.Button(interactive=True)] * 3  # noqa: E731
     for button, run, name in ((step_btn, cb.step, "step"), (turn_btn, cb.run_turn, "run_turn"),
                               (all_btn, cb.run_all, "run_to_end")):
-        button.click(running, None, [stop_btn] + run_buttons, queue=False, api_visibility="private") \
-            .then(run, [session], outputs, inputs_kwargs=form, api_name=name, **model_events) \
-            .then(idle, None, [stop_btn] + run_buttons, queue=False, api_visibility="private")
+        button.click(running, None, [stop_btn] + run_buttons, queue=False, api_visibility="private",
+                     show_progress="hidden") \
+            .then(run, [session], outputs, inputs_kwargs=form, api_name=name, show_progress_on=cards,
+                  **model_events) \
+            .then(idle, None, [stop_btn] + run_buttons, queue=False, api_visibility="private", show_progress="hidden")
     # Stop must answer while a step holds a model slot: it gets its own, unlimited.
     stop_btn.click(cb.stop, [session], [message, status], api_name="stop", concurrency_limit=None,
                    concurrency_id="control")
-    reset_btn.click(cb.reset, [session], outputs, inputs_kwargs=form, api_name="reset")
+    reset_btn.click(cb.reset, [session], outputs, inputs_kwargs=form, api_name="reset", show_progress_on=cards)
     # The person speaks as the user (it may start the episode, so it may load the model).
-    say = {"inputs": [session, user_text], "outputs": outputs + [user_text], "inputs_kwargs": form, **model_events}
+    say = {"inputs": [session, user_text], "outputs": outputs + [user_text], "inputs_kwargs": form,
+           "show_progress_on": cards, **model_events}
     say_btn.click(cb.say, api_name="say_as_user", **say)
     user_text.submit(cb.say, api_visibility="private", **say)
     timeline.input(cb.show_step, [session, timeline], [cards, state_view], api_name="show_step")

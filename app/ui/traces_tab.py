@@ -28,8 +28,8 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
     refresh = gr.Button("Search episodes", variant="primary")
     message = gr.HTML("", css_template=VIEW_CSS, elem_id=C.ID_TRACES_MESSAGE)
     table = gr.Dataframe(headers=render.EPISODE_COLUMNS, value=[], interactive=False, wrap=True,
-                         label="Episodes (newest first)", max_height=320,
-                         elem_id=C.ID_TRACES_TABLE)
+                         label="Episodes (newest first)", max_height=320, elem_id=C.ID_TRACES_TABLE,
+                         column_widths=render.EPISODE_COLUMN_WIDTHS)
     with gr.Accordion("Replay one episode (read-only)", open=True):
         with gr.Row():
             episode_id = gr.Dropdown([], label="Episode", allow_custom_value=True, scale=2)
@@ -46,10 +46,14 @@ def build_traces_tab(services: Services, tab: gr.Tab, run: dict[str, Any], tabs:
                 keep_btn = gr.Button(C.DISCARD_CANCEL)
         status = gr.Markdown(elem_id=C.ID_TRACES_STATUS)
         step_picker = gr.Slider(0, 1, value=0, step=1, label="Step", interactive=False)
+        # The cards get the wider column (a card's fork-diff table needs about 560 px at 1400 px), in columns
+        # of their own: an HTML output's own scale did not hold, and the chat took two thirds.
         with gr.Row(equal_height=False):
-            chat = gr.Chatbot(label="Conversation up to this step", height=480, scale=2)
-            cards = gr.HTML(render.branch_cards(None, "Open an episode."), css_template=VIEW_CSS, scale=3,
-                            elem_id=C.ID_TRACES_CARDS)
+            with gr.Column(scale=2, min_width=360):
+                chat = gr.Chatbot(label="Conversation up to this step", height=480)
+            with gr.Column(scale=3, min_width=560):
+                cards = gr.HTML(render.branch_cards(None, "Open an episode."), css_template=VIEW_CSS,
+                                elem_id=C.ID_TRACES_CARDS)
         state_view = gr.HTML(render.state_view(None), css_template=VIEW_CSS)
     with gr.Accordion("Compare two episodes", open=False):
         with gr.Row():
