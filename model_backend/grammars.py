@@ -6,9 +6,8 @@ call, with the separators `json.dumps` writes (`", "`, `": "`), so constrained o
 targets. Lark embeds the JSON schema (`%json {...}`); GBNF has no such directive, so `gbnf_text` writes the schema's
 rules out, for the features `app.formats.grammar_schema` keeps: types, properties in their order (the required ones
 always, the others optional), `additionalProperties`, items, enum, const, `maxLength`, anyOf, and `{}` (any JSON).
-GBNF is looser in one place: an open object's further keys (response schemas) may repeat a listed key with a value
-of another type (`{"value": 3}` where `value` is a string), which llguidance's `%json` refuses; the HTTP path checks
-every answer against the schema, so such an answer is counted as not fitting, never taken for one that does.
+An open object's further keys (response schemas) are any
+string but the listed keys, as llguidance's `%json` has them.
 """
 from __future__ import annotations
 
@@ -83,6 +82,11 @@ def _gbnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _class_char(ch: str) -> str:
+    """`ch` inside a GBNF character class."""
+    return "\\" + ch if ch in "]^-\\[" else _gbnf_literal(ch)[1:-1]
+
+
 class _Gbnf:
     """Rules for one schema, named `r0`, `r1`, ... (identical bodies share a rule)."""
 
@@ -127,6 +131,21 @@ class _Gbnf:
             return self._object(schema)
         return "value"
 
+    def other_key(self, names: list[str]) -> str:
+        """A JSON string that is none of `names` (an open object's further keys): a trie of the names, left at the
+        first character off it; a name's own end is not an end."""
+        keys = [json.dumps(n, ensure_ascii=False)[1:-1] for n in names]
+
+        def node(prefix: str) -> str:
+            nexts = sorted({k[len(prefix)] for k in keys if k.startswith(prefix) and len(k) > len(prefix)})
+            alts = [] if prefix in keys else [r'"\""']
+            alts += [f"{_gbnf_literal(c)} {node(prefix + c)}" for c in nexts]
+            off = "".join(_class_char(c) for c in nexts)
+            alts.append(r'( [^"\\\x7F\x00-\x1F' + off + r'] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) ) char* "\""')
+            return self.rule(" | ".join(alts))
+
+        return self.rule(r'"\"" ' + node(""))
+
     def _object(self, schema: dict[str, Any]) -> str:
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         if not props:
@@ -135,7 +154,7 @@ class _Gbnf:
         names = list(props)
         pairs = [self.rule(f'{_gbnf_literal(json.dumps(n, ensure_ascii=False))} ": " {self.value(props[n])}')
                  for n in names]
-        extra = schema.get("additionalProperties") is not False
+        key = self.other_key(names) if schema.get("additionalProperties") is not False else ""
         # tail(i, comma): the properties from the i-th on, in order (the required ones always); `comma`: one was
         # written before. Returns (expression, whether it may be empty); GBNF has no empty literal, so an empty
         # alternative is written as an optional group.
@@ -146,7 +165,7 @@ class _Gbnf:
                 return memo[(i, comma)]
             if i == len(names):  # past the listed ones: more keys where the schema allows them
                 sep = '", " ' if comma else ""
-                out = (f'( {sep}string ": " value ( ", " string ": " value )* )?', True) if extra else ("", True)
+                out = (f'( {sep}{key} ": " value ( ", " {key} ": " value )* )?', True) if key else ("", True)
                 memo[(i, comma)] = out
                 return out
             sep = '", " ' if comma else ""

@@ -134,7 +134,7 @@ def admits(tokenizer: Any, constraint: Constraint, text: str) -> bool:
     return all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.accepting
 
 
-_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[a-z][a-z0-9-]*|::=|[()|?*+]|\{\d+,\d+\}|\n|[ \t]+')
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[a-z][a-z0-9-]*|::=|[()|?*+]|\{\d+(?:,\d+)?\}|\n|[ \t]+')
 
 
 def gbnf_as_lark(gbnf: str) -> str:
@@ -203,7 +203,11 @@ GBNF_CASES = [  # (constraint, text, admitted): each feature `grammar_schema` ke
     (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"error": "no such key"}</execution_result>',
      True),
     (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), "null</execution_result>", True),
-    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"value": 3, "n": 1</execution_result>', False),
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"value": 3}</execution_result>', False),
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"valu": 3, "values": 4, "": 5}</execution_result>',
+     True),  # further keys: any but the listed ones
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"error": "x", "value": 3}</execution_result>',
+     False),
     (Constraint(schema={}, close="</execution_result>"), '[1.5e3, "x", true, {}]</execution_result>', True),
 ]
 
