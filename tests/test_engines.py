@@ -117,13 +117,14 @@ def test_what_the_engine_gives(llama: tuple[str, str]) -> None:
 
 def test_an_episode_in_the_cli(llama: tuple[str, str], tmp_path: Path) -> None:
     """K=4, constrained calls and rehearsals, the logprob selector: every call parses and every rehearsal is JSON;
-    prompt log-probabilities give each rehearsal its surprise."""
+    prompt log-probabilities give each rehearsal its surprise. Tool relevance off here (the browser step has it):
+    it scores every tool at every step, which more than doubled the episode on a shared machine."""
     from app.store import Store
 
     _, spec = llama
     db = tmp_path / "engine.db"
     started = time.perf_counter()
-    out = run_cli("run", "--task", "mock:kv", "--model", spec, "-k", "4", "--selector", "logprob",
+    out = run_cli("run", "--task", "mock:kv", "--model", spec, "-k", "4", "--selector", "logprob", "--relevance", "0",
                   "--tool-choice", "required", "--max-steps", "1", *BUDGETS, "--db", str(db), "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
