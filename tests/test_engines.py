@@ -162,7 +162,7 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
             task.click()
             task.fill("mock:kv ·")
             page.get_by_role("option", name="mock:kv ·").first.click()
-            model = page.get_by_label("Model", exact=True)
+            model = page.get_by_label("Model", exact=True).filter(visible=True).first  # the Traces tab has one too
             model.click()
             model.fill(spec)
             model.press("Enter")
