@@ -229,8 +229,12 @@ def test_the_grammars_admit_the_expert_token_for_token(tokenizer: Any) -> None:
                              rehearse_target(actual)) for tools, call, actual in calls)
     print(f"admitted: act {act_ok}/{len(short)}, rehearse {rehearse_ok}/{len(calls)}")
     assert act_ok == len(short)
-    # The GBNF llama.cpp gets admits the same calls (every tool's real schema, one grammar per step's tools).
+    # The GBNF llama.cpp gets admits the same calls and responses (every tool's real schemas).
     assert all(admits_gbnf(tokenizer, act_constraint(tools), call_text(call)) for tools, call, _ in short)
+    assert [admits_gbnf(tokenizer, rehearse_constraint(next(t for t in tools if t.name == call.name)),
+                        rehearse_target(actual)) for tools, call, actual in calls] == \
+        [admits(tokenizer, rehearse_constraint(next(t for t in tools if t.name == call.name)), rehearse_target(actual))
+         for tools, call, actual in calls]
     # BFCL's response docs contradict a few real responses (e.g. send_message's message_id is an object).
     assert rehearse_ok >= 0.9 * len(calls)
     assert not admits(tokenizer, act_constraint(calls[0][0]), '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
