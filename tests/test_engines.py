@@ -158,14 +158,16 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             page.set_default_timeout(60_000)
             page.goto(url)
-            task = page.get_by_label("Task", exact=True)
-            task.click()
-            task.fill("mock:kv")
-            task.press("Enter")
+            # The model first: a change of the form prepares (and computes ahead) the step with what it says, and
+            # the embedded model computing ahead a step nobody asked for would hold the 2 cores for minutes.
             model = page.get_by_label("Model", exact=True).filter(visible=True).first  # the Traces tab has one too
             model.click()
             model.fill(spec)
             model.press("Enter")
+            task = page.get_by_label("Task", exact=True)
+            task.click()
+            task.fill("mock:kv")
+            task.press("Enter")
             page.get_by_label("K (branches)").fill("4")
             page.get_by_text("Advanced").click()
             page.get_by_label("Max action tokens").fill("40")
