@@ -147,6 +147,7 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
     from app.ui import build_demo
     from app.ui import constants as C
     from browser import launch
+    from helpers import wait_until
 
     _, spec = llama
     demo = build_demo(db_path=str(tmp_path / "ui.db"))
@@ -164,6 +165,10 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
             model.click()
             model.fill(spec)
             model.press("Enter")
+            adapter = page.get_by_label("Adapter (LoRA)")  # the shipped adapter by default: a server serves its own
+            adapter.click()
+            adapter.fill(C.NO_ADAPTER)
+            adapter.press("Enter")
             task = page.get_by_label("Task", exact=True)
             task.click()
             task.fill("mock:kv")
@@ -173,8 +178,13 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
             page.get_by_label("Max action tokens").fill("40")
             page.get_by_label("Max rehearsal tokens").fill("32")
             page.get_by_role("button", name=C.STEP, exact=True).click()
-            status = page.locator(f"#{C.ID_RUN_STATUS}")
-            expect(status).to_contain_text(", 1 step(s)", timeout=STEP_TIMEOUT_MS)
+            status, message = page.locator(f"#{C.ID_RUN_STATUS}"), page.locator(f"#{C.ID_RUN_MESSAGE}")
+
+            def stepped() -> bool:  # a refusal ends the wait at once, with what the page said
+                assert "ea-msg-error" not in message.inner_html(), message.inner_text()
+                return ", 1 step(s)" in status.inner_text()
+
+            wait_until(stepped, STEP_TIMEOUT_MS / 1000, interval=1.0)
             expect(status).to_contain_text("constraints sent as gbnf")
             line = status.inner_text()
             cards = page.locator(f"#{C.ID_CARDS}").inner_text()
