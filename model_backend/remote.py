@@ -425,6 +425,8 @@ class OpenAIPolicy(Policy):
             return False  # cut off by the token budget: says nothing about the server
         body = gen.text[len(prompt.prefill):] if gen.text.startswith(prompt.prefill) else gen.text
         fits = _answer_fits(body, c)
+        if fits is None:
+            return False  # plain text: no evidence either way
         with self._constraints_lock:
             if self.constraints.form != form:
                 return True
@@ -643,13 +645,15 @@ def _constraint_fields(form: str, constraint: Constraint) -> dict[str, Any]:
     return {"json_schema": json.dumps(schema)}  # sglang: a JSON string
 
 
-def _answer_fits(body: str, constraint: Constraint) -> bool:
-    """The generated text (after the prefill) is what `constraint` allows: `open + JSON + close` with the JSON valid
-    under the schema, or (`allow_text`) a plain-text answer that does not start like a call."""
+def _answer_fits(body: str, constraint: Constraint) -> bool | None:
+    """Whether the generated text (after the prefill) is what `constraint` allows: `open + JSON + close` with the JSON
+    valid under the schema. None for a plain-text answer where text is allowed (`allow_text`) and it does not start
+    like a call: a model decoding free writes such text too, so it says nothing about whether the server kept the
+    grammar (counted, a server that ignored it looked as if it kept it: a real llama-cpp-python did)."""
     if constraint.open and body.startswith(constraint.open):
         body = body[len(constraint.open):]
     elif constraint.allow_text:
-        return TEXT_PATTERN.fullmatch(body) is not None
+        return None if TEXT_PATTERN.fullmatch(body) is not None else False
     if constraint.close and body.rstrip().endswith(constraint.close):
         body = body.rstrip()[: -len(constraint.close)]
     return _fits(body, constraint.schema)

@@ -141,7 +141,8 @@ def test_an_episode_in_the_cli(llama: tuple[str, str], tmp_path: Path) -> None:
 
 
 def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
-    """The Run tab with its default selector (judge) and tool relevance, K=4, through the same spec."""
+    """The Run tab with its default selector (judge) and tool relevance, K=4, tool choice required, through the same
+    spec: the step's calls constrained (the model line says `gbnf`), judged, rehearsed."""
     from playwright.sync_api import expect, sync_playwright
 
     from app.ui import build_demo
@@ -177,6 +178,8 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
             page.get_by_text("Advanced").click()
             page.get_by_label("Max action tokens").fill("40")
             page.get_by_label("Max rehearsal tokens").fill("32")
+            # Every step a call (the 135M model answers in text at `auto`, and text says nothing about the grammar)
+            page.get_by_role("radio", name="required", exact=True).check()
             page.get_by_role("button", name=C.STEP, exact=True).click()
             status, message = page.locator(f"#{C.ID_RUN_STATUS}"), page.locator(f"#{C.ID_RUN_MESSAGE}")
 

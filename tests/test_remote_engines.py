@@ -223,7 +223,31 @@ def test_a_grammar_says_call_or_text_so_nothing_goes_free(choice: str, form: str
                                    constraint=TEXT_OR_CALL.constraint), 1, CFG)[0]
     assert call.text == f"<tool_call>{FITS}</tool_call>" and answer.text == "The key is stored."
     assert policy.constraints.form == form and policy.constraints.free == 0
-    assert policy.constraint_note == f"constraints sent as {form}: 2 of 2 answer(s) fit the schema"
+    # the text answer is no evidence (a model decoding free writes text too): only the call is counted
+    assert policy.constraint_note == f"constraints sent as {form}: 1 of 1 answer(s) fit the schema"
+
+
+def test_a_text_answer_does_not_make_an_ignored_grammar_look_kept() -> None:
+    """llama-cpp-python ignores `structured_outputs`; a text answer to a text-or-call prompt fits either way, so only
+    the first call decides: it breaks the schema and the form is dropped (a real run kept `vllm-lark` on two text
+    answers and said "2 of 2 answer(s) fit")."""
+    def post(path: str, body: dict) -> tuple[int, object]:
+        text = "I will store it." if "tool" not in json.dumps(body["prompt"][-40:]) else "<tool_call>{\"nam"
+        if body.get("grammar") == gbnf_text(TEXT_OR_CALL.constraint):
+            text = f"<tool_call>{FITS}</tool_call>"
+        return 200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}]}
+
+    with FakeOpenAIServer(serving("fake", post)) as fake:
+        policy = remote(fake.url)
+        first = policy.act(TEXT_OR_CALL, 1, CFG)[0]
+        assert first.text == "I will store it." and policy.constraints.form == "vllm-lark"
+        assert policy.constraint_note == ""  # sent, nothing counted yet
+        tool_prompt = Prompt(messages=[*PROMPT.messages, {"role": "user", "content": "use the tool"}],
+                             constraint=TEXT_OR_CALL.constraint)
+        second = policy.act(tool_prompt, 1, CFG)[0]
+    assert second.text == f"<tool_call>{FITS}</tool_call>"
+    assert policy.constraints.dropped == ["vllm-lark", "sglang-lark"] and policy.constraints.form == "gbnf"
+    assert policy.constraint_note == "constraints sent as gbnf: 1 of 1 answer(s) fit the schema"
 
 
 def test_a_group_tries_only_its_forms_then_goes_free() -> None:
