@@ -21,7 +21,8 @@ grammar says everything a step asks: the call after a `<tool_call>` prefill, the
 `<execution_result>`, and "a tagged call, or else text" (tool_choice auto). Else the JSON schema
 (`structured_outputs.json`, `response_format`, `json_schema`), which cannot say "or else text":
 such prompts are then sent free and counted. Each finished answer is checked against what was
-asked: servers answer HTTP 200 and ignore a field they do not know (vLLM since its `guided_json`
+asked (a plain-text answer where text is allowed is no evidence either way: free decoding writes
+text too): servers answer HTTP 200 and ignore a field they do not know (vLLM since its `guided_json`
 went in 0.12), so support is read from the output. Under `auto` (or a group) a form the server
 refuses, or one an answer breaks, is dropped for the next; when none is left the model decodes
 free, and `constraint_note` (the Run tab's model line, the eval report) says so.
