@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup run test test-fast bench bench-peer train-agent eval browser-deps mcp-deps native-deps clean screenshot reliability
+.PHONY: setup run test test-fast bench bench-peer check-engines train-agent eval browser-deps mcp-deps native-deps clean screenshot reliability
 
 $(STAMP): requirements.txt requirements-nodeps.txt requirements-dev.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -91,3 +91,9 @@ $(BENCH_VENV)/.setup-done: requirements-bench.txt
 
 bench-peer: setup $(BENCH_VENV)/.setup-done
 	$(PYTHON) bench/bench_peer.py --peer-python $(BENCH_VENV)/bin/python
+
+# A real serving engine end to end (docs/engines.md): llama-cpp-python's server on the embedded GGUF, an episode in
+# the CLI, a step in the browser, step times against the local backend; writes bench/results/engines.json.
+check-engines: setup browser-deps $(BENCH_VENV)/.setup-done
+	ENVACE_BENCH_PYTHON=$(CURDIR)/$(BENCH_VENV)/bin/python ENVACE_ENGINES_JSON=$(CURDIR)/bench/results/engines.json \
+		$(PYTHON) -m pytest -q -s --engines tests/test_engines.py

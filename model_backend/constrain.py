@@ -12,39 +12,16 @@ and the row decodes unconstrained: a constraint is a help, never a reason to cra
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from typing import Any
 
 import torch
 
 from .base import Constraint
+from .grammars import grammar_text
 from .loops import MAX_REPEATS, open_string, repeated_phrase
 
 log = logging.getLogger(__name__)
-
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""What `json.dumps` writes by default, which is also what the training targets are."""
-TEXT_REGEX = r"/[^<{\s][^<]*/"
-"""A plain-text answer: it may not start like a call (`<`, `{`) or with whitespace, nor contain `<`."""
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # Lark string literals use JSON's escapes
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """The Lark grammar (llguidance dialect) of a constraint."""
-    schema = {**constraint.schema, "x-guidance": JSON_STYLE}
-    body = " ".join([_lark_string(constraint.open)] * bool(constraint.open) + ["json"]
-                    + [_lark_string(constraint.close)] * bool(constraint.close))
-    lines = [f"json: %json {json.dumps(schema, separators=(',', ':'))}"]
-    if constraint.allow_text:
-        lines.insert(0, "start: tagged | TEXT")
-        lines += [f"tagged: {body}", f"TEXT: {TEXT_REGEX}"]
-    else:
-        lines.insert(0, f"start: {body}")
-    return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=8)

@@ -10,18 +10,22 @@ chat template's `enable_thinking`, for Qwen3-style templates; unset: the templat
 `transformers serve` samples only when the model's generation config says so, and otherwise
 answers every "sampled" candidate greedily; unset: on when `/v1/models` looks like `transformers serve`),
 `context` (the context window in tokens), `concurrency` (requests in flight at once),
-`constrain` (how a step's JSON-schema constraint travels: `vllm` `structured_outputs`,
-`openai` `response_format`, `llama.cpp` `json_schema`, `sglang` `json_schema` string; `auto`,
-the default, tries them in that order; `off`).
+`constrain` (how a step's constraint travels: `auto`, the default, tries each form of
+`spec.CONSTRAIN_FORMS` in turn; `lark`, `gbnf`, `json_schema` try only those; or one form; `off`).
 
-Constraints. A constraint a JSON schema can say (the call after a `<tool_call>` prefill, the
-response after `<execution_result>`) is sent in the current form, and each finished answer is
-checked against the schema: servers answer HTTP 200 and ignore a field they do not know (vLLM
-since its `guided_json` went in 0.12), so support is read from the output. Under `auto` a form
-the server refuses, or one an answer breaks, is dropped for the next; when none is left the
-model decodes free, and `constraint_note` (the Run tab's model line, the eval report) says so.
-A constraint that allows a text answer instead (tool_choice auto) needs a grammar: it is sent
-free and counted.
+Constraints. A step's constraint is sent as a grammar where the engine reads one: the llguidance
+Lark grammar (`grammars.grammar_text`, the local decoder's own) to vLLM's guidance backend
+(`structured_outputs.grammar`) and to SGLang's llguidance backend (`ebnf`, `%llguidance {}`
+first), GBNF (`grammars.gbnf_text`) to llama.cpp's server and llama-cpp-python (`grammar`). A
+grammar says everything a step asks: the call after a `<tool_call>` prefill, the response after
+`<execution_result>`, and "a tagged call, or else text" (tool_choice auto). Else the JSON schema
+(`structured_outputs.json`, `response_format`, `json_schema`), which cannot say "or else text":
+such prompts are then sent free and counted. Each finished answer is checked against what was
+asked (a plain-text answer where text is allowed is no evidence either way: free decoding writes
+text too): servers answer HTTP 200 and ignore a field they do not know (vLLM since its `guided_json`
+went in 0.12), so support is read from the output. Under `auto` (or a group) a form the server
+refuses, or one an answer breaks, is dropped for the next; when none is left the model decodes
+free, and `constraint_note` (the Run tab's model line, the eval report) says so.
 
 How prompts travel. A Prompt may carry a prefill (the Rehearse role always starts its reply
 with `<execution_result>`). Servers disagree on continuing an assistant message: vLLM and
@@ -67,9 +71,11 @@ import httpx
 from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_attempt,
                       wait_exponential_jitter)
 
-from .base import (NO_PROMPT_LOGPROBS, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
+from .base import (NO_PROMPT_LOGPROBS, Constraint, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
                    derive_seed)
-from .spec import CONSTRAIN_FORMS, EMBEDDED_NAME, RemoteOptions, normalized_name, parse_remote_target
+from .grammars import LLGUIDANCE_PREFIX, TEXT_PATTERN, gbnf_text, grammar_text
+from .spec import (EMBEDDED_NAME, GRAMMAR_FORMS, RemoteOptions, constrain_forms, normalized_name,
+                   parse_remote_target)
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +202,8 @@ class OpenAIPolicy(Policy):
         self._server_context: int | None = None
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
-        first = None if options.constrain == "off" else CONSTRAIN_FORMS[0] if options.constrain == "auto" \
-            else options.constrain
+        forms = constrain_forms(options.constrain)
+        first = forms[0] if forms else None
         self.constraints = ConstraintRecord(form=first, asked=options.constrain != "off")
         self._constraints_lock = threading.Lock()
 
@@ -382,16 +388,23 @@ class OpenAIPolicy(Policy):
     def constraint_note(self) -> str:
         return self.constraints.note
 
+    @property
+    def _forms(self) -> tuple[str, ...]:
+        """The forms `constrain=` tries; one form is kept however its answers turn out (the user named it)."""
+        forms = constrain_forms(self.options.constrain)
+        return forms if len(forms) > 1 else ()
+
     def _constraint_form(self, prompt: Prompt) -> str | None:
         """The form to send `prompt.constraint` in, or None (none, none kept, or one a JSON schema cannot say)."""
         c = prompt.constraint
-        if c is None or self.constraints.form is None:
+        form = self.constraints.form
+        if c is None or form is None:
             return None
-        if c.allow_text or c.open.strip():  # "a call or else text" needs a grammar: sent free, and counted
-            with self._constraints_lock:
+        if (c.allow_text or c.open.strip()) and form not in GRAMMAR_FORMS:
+            with self._constraints_lock:  # "a call or else text" needs a grammar: sent free, and counted
                 self.constraints.free += 1
             return None
-        return self.constraints.form
+        return form
 
     def _drop_form(self, form: str, why: str) -> None:
         """The server refused or ignored `form`: `auto` moves on to the next form, else decoding goes free."""
@@ -400,7 +413,7 @@ class OpenAIPolicy(Policy):
             if record.form != form:
                 return  # another request already moved on
             record.dropped.append(form)
-            left = [f for f in CONSTRAIN_FORMS if f not in record.dropped] if self.options.constrain == "auto" else []
+            left = [f for f in self._forms if f not in record.dropped]
             record.form = left[0] if left else None
         log.warning("%s: constraints sent as %s were %s; %s", self.name, form, why,
                     f"trying {left[0]}" if left else "decoding free: answers may not fit the schema")
@@ -412,14 +425,14 @@ class OpenAIPolicy(Policy):
         if c is None or not gen.finished:
             return False  # cut off by the token budget: says nothing about the server
         body = gen.text[len(prompt.prefill):] if gen.text.startswith(prompt.prefill) else gen.text
-        if c.close and body.rstrip().endswith(c.close):
-            body = body.rstrip()[: -len(c.close)]
-        fits = _fits(body, c.schema)
+        fits = _answer_fits(body, c)
+        if fits is None:
+            return False  # plain text: no evidence either way
         with self._constraints_lock:
             if self.constraints.form != form:
                 return True
             self.constraints.counts.setdefault(form, [0, 0])[0 if fits else 1] += 1
-        if not fits and self.options.constrain == "auto":
+        if not fits and self._forms:
             self._drop_form(form, f"ignored (an answer did not fit the schema: {body.strip()[:60]!r})")
             return True
         return False
@@ -431,7 +444,7 @@ class OpenAIPolicy(Policy):
         form = self._constraint_form(prompt)
         path, body = self._body(prompt, config, temperature, seed, n)
         if form is not None:
-            body.update(_constraint_fields(form, prompt.constraint.schema))  # type: ignore[union-attr]
+            body.update(_constraint_fields(form, prompt.constraint))  # type: ignore[union-attr]
         try:
             data = self._request("POST", path, body)
         except RemoteError as exc:
@@ -610,12 +623,20 @@ def _tool_call_text(tool_call: Any) -> str:
 
 
 _CONSTRAINT_WORDS = {"vllm": ("structured_outputs",), "openai": ("response_format", "json_schema"),
-                     "llama.cpp": ("json_schema",), "sglang": ("json_schema",)}
+                     "llama.cpp": ("json_schema",), "sglang": ("json_schema",),
+                     "vllm-lark": ("structured_outputs", "lark"), "sglang-lark": ("ebnf",), "gbnf": ("gbnf",)}
 """Words of an error that refuses a constraint form (with the generic ones in `_complete`)."""
 
 
-def _constraint_fields(form: str, schema: dict[str, Any]) -> dict[str, Any]:
-    """The request fields that carry a JSON-schema constraint in `form` (`spec.CONSTRAIN_FORMS`)."""
+def _constraint_fields(form: str, constraint: Constraint) -> dict[str, Any]:
+    """The request fields that carry `constraint` in `form` (`spec.CONSTRAIN_FORMS`)."""
+    schema = constraint.schema
+    if form == "vllm-lark":
+        return {"structured_outputs": {"grammar": grammar_text(constraint)}}
+    if form == "sglang-lark":
+        return {"ebnf": LLGUIDANCE_PREFIX + grammar_text(constraint)}
+    if form == "gbnf":
+        return {"grammar": gbnf_text(constraint)}
     if form == "vllm":
         return {"structured_outputs": {"json": schema}}
     if form == "openai":
@@ -623,6 +644,20 @@ def _constraint_fields(form: str, schema: dict[str, Any]) -> dict[str, Any]:
     if form == "llama.cpp":
         return {"json_schema": schema}
     return {"json_schema": json.dumps(schema)}  # sglang: a JSON string
+
+
+def _answer_fits(body: str, constraint: Constraint) -> bool | None:
+    """Whether the generated text (after the prefill) is what `constraint` allows: `open + JSON + close` with the JSON
+    valid under the schema. None for a plain-text answer where text is allowed (`allow_text`) and it does not start
+    like a call: a model decoding free writes such text too, so it says nothing about whether the server kept the
+    grammar (counted, a server that ignored it looked as if it kept it: a real llama-cpp-python did)."""
+    if constraint.open and body.startswith(constraint.open):
+        body = body[len(constraint.open):]
+    elif constraint.allow_text:
+        return None if TEXT_PATTERN.fullmatch(body) is not None else False
+    if constraint.close and body.rstrip().endswith(constraint.close):
+        body = body.rstrip()[: -len(constraint.close)]
+    return _fits(body, constraint.schema)
 
 
 def _fits(body: str, schema: dict[str, Any]) -> bool:

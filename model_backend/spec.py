@@ -17,10 +17,27 @@ VALID_SPECS = "embedded, hf:<hub id or local path>, gguf:<path to .gguf>, openai
 CACHE_ENV = "ENVACE_CACHE_DIR"
 REMOTE_OPTIONS = ("tokenizer", "prompt", "thinking", "do_sample", "timeout", "retries", "backoff", "context", "concurrency",
                   "constrain")
-CONSTRAIN_FORMS = ("vllm", "openai", "llama.cpp", "sglang")
-"""How a step's JSON-schema constraint travels, by the engine that reads it: vLLM's `structured_outputs.json`,
-OpenAI's `response_format` json_schema (vLLM, SGLang, llama.cpp's chat endpoint), llama.cpp's `json_schema`
-object, SGLang's `json_schema` string. `auto` tries them in this order."""
+CONSTRAIN_FORMS = ("vllm-lark", "sglang-lark", "gbnf", "vllm", "openai", "llama.cpp", "sglang")
+"""How a step's constraint travels, by the engine that reads it. Grammars, which also say "a call, or else text":
+`vllm-lark` (vLLM's `structured_outputs.grammar`, Lark read by its guidance backend), `sglang-lark` (SGLang's `ebnf`
+with the `%llguidance {}` prefix, read by its llguidance backend), `gbnf` (the `grammar` field of llama.cpp's server
+and llama-cpp-python). JSON schemas: vLLM's `structured_outputs.json`, OpenAI's `response_format` json_schema (vLLM,
+SGLang, llama.cpp's chat endpoint), llama.cpp's `json_schema` object, SGLang's `json_schema` string. `auto` tries
+them in this order."""
+CONSTRAIN_GROUPS = {"lark": ("vllm-lark", "sglang-lark"), "gbnf": ("gbnf",),
+                    "json_schema": ("vllm", "openai", "llama.cpp", "sglang")}
+"""`constrain=` values that name a kind of form: its forms, tried in this order."""
+GRAMMAR_FORMS = CONSTRAIN_GROUPS["lark"] + CONSTRAIN_GROUPS["gbnf"]
+CONSTRAIN_CHOICES = ("auto", "off", *CONSTRAIN_GROUPS, *CONSTRAIN_FORMS)
+
+
+def constrain_forms(choice: str) -> tuple[str, ...]:
+    """The forms a `constrain=` value tries, in order (none for `off`)."""
+    if choice == "auto":
+        return CONSTRAIN_FORMS
+    if choice == "off":
+        return ()
+    return CONSTRAIN_GROUPS.get(choice, (choice,))
 
 
 
@@ -71,7 +88,8 @@ class RemoteOptions:
     context: int | None = None
     concurrency: int = 8
     constrain: str = "auto"
-    """`auto` (each form of `CONSTRAIN_FORMS` in turn, kept while the answers fit the schema), one form, or `off`."""
+    """`auto` (each form of `CONSTRAIN_FORMS` in turn, kept while the answers fit the schema), a group of
+    `CONSTRAIN_GROUPS` (its forms in turn), one form, or `off`."""
 
 
 def parse_remote_target(target: str) -> RemoteOptions:
@@ -117,11 +135,11 @@ def parse_remote_target(target: str) -> RemoteOptions:
             elif key == "concurrency":
                 opts.concurrency = max(1, int(value))
             elif key == "constrain":
-                if value not in ("auto", "off", *CONSTRAIN_FORMS):
+                if value not in CONSTRAIN_CHOICES:
                     raise ValueError
                 opts.constrain = value
         except ValueError:
-            choices = {"constrain": f" (auto, off, {', '.join(CONSTRAIN_FORMS)})"}.get(key, "")
+            choices = {"constrain": f" ({', '.join(CONSTRAIN_CHOICES)})"}.get(key, "")
             raise ValueError(f"bad value for {key} in the openai: spec: {value!r}{choices}") from None
     return opts
 

@@ -16,3 +16,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
     terminalreporter.write_sep("-", "machine")
     terminalreporter.write_line(cpu_summary())
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--engines", action="store_true",
+                     help="run the tests marked `engines` (a real serving engine from .venv-bench: make check-engines)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`engines` tests need the benchmark environment (`make check-engines` builds it): deselected without
+    `--engines`, so `make test` and `make test-fast` never start them (deselected, not skipped: they are not run)."""
+    if config.getoption("--engines"):
+        return
+    keep = [item for item in items if item.get_closest_marker("engines") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("engines")])
+        items[:] = keep

@@ -1,4 +1,5 @@
-"""Start and stop `transformers serve` on the embedded model's converted checkpoint (tests and bench)."""
+"""Start and stop `transformers serve` on the embedded model's converted checkpoint, and llama-cpp-python's server on
+its GGUF file (tests and bench)."""
 from __future__ import annotations
 
 import os
@@ -30,26 +31,7 @@ def start(ckpt: Path, wait_s: float = 240) -> tuple[subprocess.Popen, str, Path]
     port = free_port()
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(ckpt), "--host", "127.0.0.1",
            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "error"]
-    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"transformers-serve-{port}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}/v1"
-
-    def answers() -> bool:
-        if proc.poll() is not None:
-            raise ServeError(f"transformers serve exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-        try:
-            return httpx.get(f"{url}/models", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(answers, wait_s, interval=0.5)
-    except AssertionError:
-        stop(proc)
-        raise ServeError(f"transformers serve did not answer in {wait_s:g} s: {log_path.read_text()[-2000:]}") from None
-    return proc, url, log_path
+    return _start(cmd, port, "transformers-serve", wait_s)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -59,3 +41,38 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def start_llama_cpp(python: str | Path, gguf: Path, model: str, wait_s: float = 240,
+                    threads: int = 2) -> tuple[subprocess.Popen, str, Path]:
+    """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, in its own environment `python`) on `gguf`,
+    listed as `model`: (process, base URL, log file) once `/v1/models` answers; ServeError otherwise. `logits_all`
+    (its default) keeps every position's logits: the generated tokens' and the echoed prompt's logprobs."""
+    port = free_port()
+    cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", model, "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", "8192", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--logits_all", "true"]
+    return _start(cmd, port, "llama-cpp-python", wait_s)
+
+
+def _start(cmd: list[str], port: int, name: str, wait_s: float) -> tuple[subprocess.Popen, str, Path]:
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-{port}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}/v1"
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise ServeError(f"{name} exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
+        try:
+            return httpx.get(f"{url}/models", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(answers, wait_s, interval=0.5)
+    except AssertionError:
+        stop(proc)
+        raise ServeError(f"{name} did not answer in {wait_s:g} s: {log_path.read_text()[-2000:]}") from None
+    return proc, url, log_path

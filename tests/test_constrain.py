@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from typing import Any
 
 import jsonschema
@@ -109,6 +110,16 @@ def test_prompts_carry_the_constraint_only_when_asked() -> None:
 # ---------------------------------------------------------------- grammars on the real tokenizer
 
 
+CALL_SCHEMA_KEYS = {"type": "object", "properties": {"name": {"const": "get"}, "arguments": {
+    "type": "object", "properties": {"key": {"type": "string", "maxLength": 8}, "n": {"type": "integer"},
+                                     "tags": {"type": "array", "items": {"enum": ["x", 1]}}},
+    "required": ["key"], "additionalProperties": False}}, "required": ["name", "arguments"],
+    "additionalProperties": False}
+RESPONSE_SCHEMA = {"anyOf": [{"type": "object", "properties": {"value": {"type": "string"}}},
+                             {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"],
+                              "additionalProperties": False}, {"type": "null"}]}
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from model_backend.loading import load_tokenizer
@@ -123,6 +134,91 @@ def admits(tokenizer: Any, constraint: Constraint, text: str) -> bool:
     return all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False)) and matcher.accepting
 
 
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[a-z][a-z0-9-]*|::=|[()|?*+]|\{\d+(?:,\d+)?\}|\n|[ \t]+')
+
+
+def gbnf_as_lark(gbnf: str) -> str:
+    """The GBNF as a Lark grammar of single-character lexemes, read by llguidance's Earley parser: a
+    character-level reading, as llama.cpp's own (llguidance's `gbnf_to_lark` makes terminals of the non-recursive
+    rules, and its greedy lexer then rejects texts llama.cpp admits, e.g. a key that starts like a listed one)."""
+    out, pos = [], 0
+    while pos < len(gbnf):
+        m = _GBNF_TOKEN.match(gbnf, pos)
+        assert m, f"unreadable GBNF at {gbnf[pos:pos + 20]!r}"
+        tok, pos = m.group(), m.end()
+        if tok.startswith('"'):
+            chars = json.loads(tok.replace("\\x", "\\u00"))
+            out.append(" ".join(json.dumps(ch) for ch in chars))
+        elif tok.startswith("["):
+            out.append("/" + tok.replace("/", "\\/") + "/")
+        elif tok == "::=":
+            out.append(":")
+        elif tok[0].isalpha():
+            out.append("start" if tok == "root" else tok.replace("-", "_"))
+        else:
+            out.append(tok)
+    return "".join(out)
+
+
+def admits_gbnf(tokenizer: Any, constraint: Constraint, text: str) -> bool:
+    """The GBNF the HTTP path sends llama.cpp (`gbnf_text`), read character by character as llama.cpp reads it."""
+    import llguidance
+
+    from model_backend.constrain import _ll_tokenizer
+    from model_backend.grammars import gbnf_text
+
+    matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer), gbnf_as_lark(gbnf_text(constraint)), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+GBNF_CASES = [  # (constraint, text, admitted): each feature `grammar_schema` keeps, in and out
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"), '{"name": "get", "arguments": {"key": "a"}}</tool_call>',
+     True),
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "get", "arguments": {"key": "a", "n": -3, "tags": ["x", 1]}}</tool_call>', True),
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"), '{"name": "get", "arguments": {"n": 3}}</tool_call>',
+     False),  # the required key is missing
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "get", "arguments": {"n": 3, "key": "a"}}</tool_call>', False),  # not in the schema's order
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "put", "arguments": {"key": "a"}}</tool_call>', False),  # const
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "get", "arguments": {"key": "a", "other": 1}}</tool_call>', False),  # additionalProperties false
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "get", "arguments": {"key": "abcdefghi"}}</tool_call>', False),  # maxLength 8
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"),
+     '{"name": "get", "arguments": {"key": "a", "tags": ["y"]}}</tool_call>', False),  # enum of the items
+    (Constraint(schema=CALL_SCHEMA_KEYS, close="</tool_call>"), '{"name":"get","arguments":{"key":"a"}}</tool_call>',
+     False),  # json.dumps's separators, as the local decoder writes them
+    (Constraint(schema=CALL_SCHEMA_KEYS, open="<tool_call>", close="</tool_call>", allow_text=True),
+     "The answer is 4.", True),
+    (Constraint(schema=CALL_SCHEMA_KEYS, open="<tool_call>", close="</tool_call>", allow_text=True),
+     '<tool_call>{"name": "get", "arguments": {"key": "a"}}</tool_call>', True),
+    (Constraint(schema=CALL_SCHEMA_KEYS, open="<tool_call>", close="</tool_call>", allow_text=True),
+     "Sure <tool_call>", False),  # text may not hold a call
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"),
+     '{"value": "blue", "extra": [1, {"a": null}]}</execution_result>', True),  # open object: more keys allowed
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"error": "no such key"}</execution_result>',
+     True),
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), "null</execution_result>", True),
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"value": 3}</execution_result>', False),
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"valu": 3, "values": 4, "": 5}</execution_result>',
+     True),  # further keys: any but the listed ones
+    (Constraint(schema=RESPONSE_SCHEMA, close="</execution_result>"), '{"error": "x", "value": 3}</execution_result>',
+     False),
+    (Constraint(schema={}, close="</execution_result>"), '[1.5e3, "x", true, {}]</execution_result>', True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(GBNF_CASES)))
+def test_the_gbnf_says_what_the_lark_grammar_says(tokenizer: Any, case: int) -> None:
+    constraint, text, admitted = GBNF_CASES[case]
+    assert admits_gbnf(tokenizer, constraint, text) is admitted
+    assert admits(tokenizer, constraint, text) is admitted  # the local decoder's grammar agrees
+
+
 @pytest.mark.slow
 def test_the_grammars_admit_the_expert_token_for_token(tokenizer: Any) -> None:
     calls = expert_calls(TRAIN[:24])
@@ -133,6 +229,12 @@ def test_the_grammars_admit_the_expert_token_for_token(tokenizer: Any) -> None:
                              rehearse_target(actual)) for tools, call, actual in calls)
     print(f"admitted: act {act_ok}/{len(short)}, rehearse {rehearse_ok}/{len(calls)}")
     assert act_ok == len(short)
+    # The GBNF llama.cpp gets admits the same calls and responses (every tool's real schemas).
+    assert all(admits_gbnf(tokenizer, act_constraint(tools), call_text(call)) for tools, call, _ in short)
+    assert [admits_gbnf(tokenizer, rehearse_constraint(next(t for t in tools if t.name == call.name)),
+                        rehearse_target(actual)) for tools, call, actual in calls] == \
+        [admits(tokenizer, rehearse_constraint(next(t for t in tools if t.name == call.name)), rehearse_target(actual))
+         for tools, call, actual in calls]
     # BFCL's response docs contradict a few real responses (e.g. send_message's message_id is an object).
     assert rehearse_ok >= 0.9 * len(calls)
     assert not admits(tokenizer, act_constraint(calls[0][0]), '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')

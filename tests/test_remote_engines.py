@@ -14,6 +14,8 @@ from fake_openai import FakeOpenAIServer, serving
 
 import model_backend
 from model_backend.base import Constraint, GenerationConfig, Prompt, RemoteCapabilityError
+from model_backend.grammars import gbnf_text, grammar_text
+from model_backend.spec import CONSTRAIN_FORMS
 
 OPTS = "?retries=3&backoff=0.01&timeout=10&tokenizer=embedded"
 CFG = GenerationConfig(max_new_tokens=16, stop=("</tool_call>",))
@@ -119,7 +121,10 @@ FORCED = Prompt(messages=PROMPT.messages, prefill="<tool_call>",
                 constraint=Constraint(schema=CALL_SCHEMA, close="</tool_call>"))
 FITS = '{"name": "get", "arguments": {"key": "color"}}'
 FREE_TEXT = 'get(key="color")'
-FORMS = {"vllm": lambda b: b.get("structured_outputs") == {"json": CALL_SCHEMA},
+FORMS = {"vllm-lark": lambda b: (b.get("structured_outputs") or {}).get("grammar") == grammar_text(FORCED.constraint),
+         "sglang-lark": lambda b: b.get("ebnf") == "%llguidance {}\n" + grammar_text(FORCED.constraint),
+         "gbnf": lambda b: b.get("grammar") == gbnf_text(FORCED.constraint),
+         "vllm": lambda b: b.get("structured_outputs") == {"json": CALL_SCHEMA},
          "openai": lambda b: (b.get("response_format") or {}).get("json_schema", {}).get("schema") == CALL_SCHEMA,
          "llama.cpp": lambda b: b.get("json_schema") == CALL_SCHEMA,
          "sglang": lambda b: isinstance(b.get("json_schema"), str) and json.loads(b["json_schema"]) == CALL_SCHEMA}
@@ -142,13 +147,9 @@ def forms_sent(fake) -> list[str | None]:
     return [next((f for f, has in FORMS.items() if has(b)), None) for b in fake.posts("/completions")]
 
 
-@pytest.mark.parametrize("engine, expected_forms", [
-    ("vllm", ["vllm", "vllm"]),
-    ("openai", ["vllm", "openai", "openai"]),
-    ("llama.cpp", ["vllm", "openai", "llama.cpp", "llama.cpp"]),
-    ("sglang", ["vllm", "openai", "llama.cpp", "sglang", "sglang"]),
-])
-def test_auto_finds_the_form_the_server_keeps(engine: str, expected_forms: list[str]) -> None:
+@pytest.mark.parametrize("engine", CONSTRAIN_FORMS)
+def test_auto_finds_the_form_the_server_keeps(engine: str) -> None:
+    expected_forms = [*CONSTRAIN_FORMS[: CONSTRAIN_FORMS.index(engine) + 1], engine]
     with FakeOpenAIServer(serving("fake", engine_honouring(engine))) as fake:
         policy = remote(fake.url)
         gens = [policy.act(FORCED, 1, CFG)[0] for _ in range(2)]  # the first finds the form, the second uses it
@@ -161,17 +162,19 @@ def test_a_server_that_ignores_every_form_decodes_free_and_says_so() -> None:
     with FakeOpenAIServer(serving("fake", engine_honouring(None))) as fake:
         policy = remote(fake.url)
         texts = [policy.act(FORCED, 1, CFG)[0].text for _ in range(2)]
-        assert forms_sent(fake) == ["vllm", "openai", "llama.cpp", "sglang", None, None]
+        assert forms_sent(fake) == [*CONSTRAIN_FORMS, None, None]
     assert policy.constraints.form is None and texts[-1] == f"<tool_call>{FREE_TEXT}</tool_call>"
-    assert policy.constraint_note == ("constraints not kept by the server (it refused or ignored vllm, openai, "
-                                      "llama.cpp, sglang): decoding free, answers may not fit the schema")
+    assert policy.constraint_note == ("constraints not kept by the server (it refused or ignored vllm-lark, "
+                                      "sglang-lark, gbnf, vllm, openai, llama.cpp, sglang): decoding free, answers "
+                                      "may not fit the schema")
 
 
 def test_a_server_refusing_unknown_fields_gets_the_one_it_knows() -> None:
     with FakeOpenAIServer(serving("fake", engine_honouring("llama.cpp", refuses_unknown=True))) as fake:
         policy = remote(fake.url)
         gen = policy.act(FORCED, 1, CFG)[0]
-    assert gen.text == f"<tool_call>{FITS}</tool_call>" and policy.constraints.dropped == ["vllm", "openai"]
+    assert gen.text == f"<tool_call>{FITS}</tool_call>"
+    assert policy.constraints.dropped == ["vllm-lark", "sglang-lark", "gbnf", "vllm", "openai"]
     assert policy.constraint_note == "constraints sent as llama.cpp: 1 of 1 answer(s) fit the schema"
 
 
@@ -183,12 +186,76 @@ def test_constrain_option_off_one_form_and_text_or_call_prompts() -> None:
         one = model_backend.load_policy(f"openai:{fake.url}#fake{OPTS}&constrain=openai")
         one.act(FORCED, 1, CFG)
         one.act(FORCED, 1, CFG)  # not kept (free text), but asked for: still sent, and counted
-        auto = remote(fake.url)
+        auto = model_backend.load_policy(f"openai:{fake.url}#fake{OPTS}&constrain=json_schema")
         text_or_call = Prompt(messages=PROMPT.messages, constraint=Constraint(
             schema=CALL_SCHEMA, open="<tool_call>", close="</tool_call>", allow_text=True))
         auto.act(text_or_call, 1, CFG)
         assert forms_sent(fake) == [None, "openai", "openai", None]
     assert one.constraint_note == "constraints sent as openai: 0 of 2 answer(s) fit the schema"
     assert auto.constraint_note == "constraints sent as vllm; 1 text-or-call prompt(s) sent free"
-    with pytest.raises(model_backend.ModelSpecError, match=r"bad value for constrain .*'grammar' \(auto, off, vllm"):
+    with pytest.raises(model_backend.ModelSpecError, match=r"bad value for constrain .*'grammar' \(auto, off, lark, "
+                                                           r"gbnf, json_schema, vllm-lark"):
         model_backend.parse_spec("openai:http://h/v1#m?constrain=grammar")
+
+
+TEXT_OR_CALL = Prompt(messages=PROMPT.messages, constraint=Constraint(
+    schema=CALL_SCHEMA, open="<tool_call>", close="</tool_call>", allow_text=True))
+
+
+@pytest.mark.parametrize("choice, form", [("auto", "vllm-lark"), ("lark", "sglang-lark"), ("gbnf", "gbnf")])
+def test_a_grammar_says_call_or_text_so_nothing_goes_free(choice: str, form: str) -> None:
+    """A text-or-call prompt (tool_choice auto) goes constrained in a grammar form: the grammar holds both branches;
+    a text answer and a tagged call both fit."""
+    expected = {"gbnf": gbnf_text(TEXT_OR_CALL.constraint), "vllm-lark": grammar_text(TEXT_OR_CALL.constraint),
+                "sglang-lark": "%llguidance {}\n" + grammar_text(TEXT_OR_CALL.constraint)}[form]
+
+    def post(path: str, body: dict) -> tuple[int, object]:  # an engine that reads only `form`
+        sent = {"vllm-lark": (body.get("structured_outputs") or {}).get("grammar"), "sglang-lark": body.get("ebnf"),
+                "gbnf": body.get("grammar")}[form]
+        text = ("The key is stored." if "stored" in body["prompt"] else f"<tool_call>{FITS}</tool_call>") \
+            if sent == expected else "<tool_call>oops"
+        return 200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}]}
+
+    with FakeOpenAIServer(serving("fake", post)) as fake:
+        policy = model_backend.load_policy(f"openai:{fake.url}#fake{OPTS}&constrain={choice}")
+        call = policy.act(TEXT_OR_CALL, 1, CFG)[0]
+        answer = policy.act(Prompt(messages=[*PROMPT.messages, {"role": "tool", "content": "stored"}],
+                                   constraint=TEXT_OR_CALL.constraint), 1, CFG)[0]
+    assert call.text == f"<tool_call>{FITS}</tool_call>" and answer.text == "The key is stored."
+    assert policy.constraints.form == form and policy.constraints.free == 0
+    # the text answer is no evidence (a model decoding free writes text too): only the call is counted
+    assert policy.constraint_note == f"constraints sent as {form}: 1 of 1 answer(s) fit the schema"
+
+
+def test_a_text_answer_does_not_make_an_ignored_grammar_look_kept() -> None:
+    """llama-cpp-python ignores `structured_outputs`; a text answer to a text-or-call prompt fits either way, so only
+    the first call decides: it breaks the schema and the form is dropped (a real run kept `vllm-lark` on two text
+    answers and said "2 of 2 answer(s) fit")."""
+    def post(path: str, body: dict) -> tuple[int, object]:
+        text = "I will store it." if "tool" not in json.dumps(body["prompt"][-40:]) else "<tool_call>{\"nam"
+        if body.get("grammar") == gbnf_text(TEXT_OR_CALL.constraint):
+            text = f"<tool_call>{FITS}</tool_call>"
+        return 200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}]}
+
+    with FakeOpenAIServer(serving("fake", post)) as fake:
+        policy = remote(fake.url)
+        first = policy.act(TEXT_OR_CALL, 1, CFG)[0]
+        assert first.text == "I will store it." and policy.constraints.form == "vllm-lark"
+        assert policy.constraint_note == ""  # sent, nothing counted yet
+        tool_prompt = Prompt(messages=[*PROMPT.messages, {"role": "user", "content": "use the tool"}],
+                             constraint=TEXT_OR_CALL.constraint)
+        second = policy.act(tool_prompt, 1, CFG)[0]
+    assert second.text == f"<tool_call>{FITS}</tool_call>"
+    assert policy.constraints.dropped == ["vllm-lark", "sglang-lark"] and policy.constraints.form == "gbnf"
+    assert policy.constraint_note == "constraints sent as gbnf: 1 of 1 answer(s) fit the schema"
+
+
+def test_a_group_tries_only_its_forms_then_goes_free() -> None:
+    with FakeOpenAIServer(serving("fake", engine_honouring("vllm"))) as fake:  # a JSON-schema-only server
+        policy = model_backend.load_policy(f"openai:{fake.url}#fake{OPTS}&constrain=lark")
+        policy.act(FORCED, 1, CFG)
+        policy.act(FORCED, 1, CFG)
+        assert forms_sent(fake) == ["vllm-lark", "sglang-lark", None, None]
+    assert policy.constraints.form is None and policy.constraints.dropped == ["vllm-lark", "sglang-lark"]
+    assert policy.constraint_note.startswith("constraints not kept by the server (it refused or ignored vllm-lark, "
+                                             "sglang-lark)")

@@ -353,7 +353,7 @@ def test_run_tab_step_against_a_server_without_prompt_logprobs(tmp_path):
             assert "relevance 0 ·" in status
             # the scripted server writes its calls free of the constraint: each form is dropped, and the model line
             # says so (a visible fallback, not a silent one)
-            assert "constraints not kept by the server (it refused or ignored vllm, openai, llama.cpp, sglang)" \
-                in status
+            assert ("constraints not kept by the server (it refused or ignored vllm-lark, sglang-lark, gbnf, vllm, "
+                    "openai, llama.cpp, sglang)") in status
         finally:
             demo.close()
