@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
+from app.config import shipped_adapter
 from app.engine import selection
 from app.envs.base import Task
 from app.records import Episode, Step
@@ -150,6 +151,10 @@ class Services:
 
     def adapters(self) -> list[str]:
         return sorted(set(discover_adapters()) | set(self.store.adapter_paths()))
+
+    def default_adapter(self) -> str | None:
+        """The adapter a run starts with: the fine-tuned one made the default, else the shipped one (None: none)."""
+        return self.store.default_adapter() or shipped_adapter()
 
 
 def _load_real_policy(model: str, adapter: str | None) -> Any:
