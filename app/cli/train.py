@@ -87,9 +87,10 @@ def register(sub: Any) -> None:
     p.add_argument("--replay-ratio", type=float, default=REPLAY_RATIO,
                    help="replay rows per correction row: a seeded sample of the shipped adapter's own training rows "
                         f"(BFCL training split), against forgetting (0: corrections only; default {REPLAY_RATIO:g})")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="checkpoint every N steps on training-split validation calls: stop early when the corrected "
-                        "tools stop improving or the other tools get worse, keep the best checkpoint "
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY,
+                   help="checkpoint every N steps (and after the last) on training-split validation calls: stop "
+                        "early when the corrected tools stop improving or the other tools get worse, keep the best "
+                        "checkpoint, the parent's weights included "
                         f"(0: no checkpoints; default {EVAL_EVERY})")
     p.add_argument("--worse-by", type=float, default=WORSE_BY,
                    help="the child is not made the default when its Rehearse exact on the other tools' unseen calls "
@@ -189,7 +190,7 @@ def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None, columns: se
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from app.training.finetune import (EVAL_EVERY, FinetuneError, FinetuneRequest, checkpoint_summary, run_finetune,
+    from app.training.finetune import (FinetuneError, FinetuneRequest, checkpoint_summary, run_finetune,
                                        validate_request)
     from app.store import Store, StoreError
 
@@ -204,8 +205,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     req = FinetuneRequest(out=Path(args.out), steps=args.steps, lr=args.lr, rank=args.rank, parent=parent,
                           episodes=args.episodes, annotated=args.annotated, spec=args.model,
                           measure_agreement=not args.no_agreement, unseen_rows=args.unseen,
-                          replay_ratio=args.replay_ratio, eval_every=(min(EVAL_EVERY, max(args.steps, 0)) if args.eval_every is None
-                                                  else args.eval_every),
+                          replay_ratio=args.replay_ratio, eval_every=args.eval_every,
                           worse_by=args.worse_by, seed=args.seed)
     db = args.db or default_db_path()
     try:

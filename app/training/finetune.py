@@ -85,9 +85,9 @@ class FinetuneRequest:
     """Replay rows mixed in per correction row, against forgetting: a seeded sample of the rows the shipped
     adapter was trained on (expert replays of the BFCL training split), the corrections' role mix (0: none)."""
     eval_every: int = 0
-    """Checkpoints every N steps (`steps` is then the most): the validation calls' NLL is measured, training
-    stops early when the corrected tools stop improving or the other tools get worse, and the best checkpoint
-    is kept (0: no checkpoints; all `steps` are trained)."""
+    """Checkpoints every N steps and after the last (`steps` is then the most): the validation calls' NLL is
+    measured, training stops early when the corrected tools stop improving or the other tools get worse, and the
+    best checkpoint, the parent's weights included, is kept (0: no checkpoints; all `steps` are trained)."""
     selection_rows: int = SELECTION_ROWS
     """Validation calls per group for the checkpoints (training-split replays, never the reported unseen calls)."""
     patience: int = PATIENCE
@@ -134,9 +134,8 @@ def validate_request(req: FinetuneRequest) -> None:
         raise FinetuneError(f"unseen calls must be between 0 and {MAX_UNSEEN_ROWS}, got {req.unseen_rows}")
     if not 0 <= req.replay_ratio <= MAX_REPLAY_RATIO:
         raise FinetuneError(f"--replay-ratio must be between 0 and {MAX_REPLAY_RATIO:g}, got {req.replay_ratio}")
-    if not 0 <= req.eval_every <= req.steps:
-        raise FinetuneError(f"--eval-every must be between 0 (no checkpoints) and --steps ({req.steps}), "
-                            f"got {req.eval_every}")
+    if not 0 <= req.eval_every <= MAX_STEPS:
+        raise FinetuneError(f"--eval-every must be between 0 (no checkpoints) and {MAX_STEPS}, got {req.eval_every}")
     if not 1 <= req.selection_rows <= MAX_UNSEEN_ROWS or req.patience < 1:
         raise FinetuneError(f"validation calls must be 1-{MAX_UNSEEN_ROWS} and patience at least 1")
     if not 0 <= req.worse_by <= 1:

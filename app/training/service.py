@@ -74,7 +74,7 @@ def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr
     held = int(parse_number("Held-out rows", heldout_rows, 0, MAX_HELDOUT_ROWS, whole=True))
     unseen = int(parse_number("Unseen calls per group", unseen_rows, 0, MAX_UNSEEN_ROWS, whole=True))
     replay = parse_number("Replay ratio", replay_ratio, 0, MAX_REPLAY_RATIO, whole=False)
-    every = int(parse_number("Evaluate every N steps", eval_every, 0, steps, whole=True))
+    every = int(parse_number("Evaluate every N steps", eval_every, 0, max_steps, whole=True))
     return FinetuneRequest(out=out, steps=steps, lr=lr, rank=rank, parent=Path(parent) if parent else None,
                            episodes=list(episodes) if episodes else None, annotated=bool(annotated),
                            measure_agreement=bool(agreement), heldout_rows=held, unseen_rows=unseen,
