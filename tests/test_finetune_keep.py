@@ -255,3 +255,33 @@ def test_checkpoints_keep_the_best_step_and_the_replay_is_trained_on(tmp_path: P
     assert row["is_default"] == 0 and "not measured on unseen calls" in row["default_reason"]
     card = json.loads((tmp_path / "child" / "finetune.json").read_text())
     assert "not measured" in card["metrics"]["default"]["reason"] and store.default_adapter() is None
+
+
+def test_the_cli_passes_the_options_and_prints_the_checkpoints_and_the_default(tmp_path: Path, capsys,
+                                                                               monkeypatch) -> None:
+    """The CLI's wiring (the library is faked: the real fine-tune is the slow test above)."""
+    import app.training.finetune as finetune
+
+    seen = []
+
+    def fake(store, req, progress=None):
+        seen.append(req)
+        metrics = {"before": {}, "after": {}, "train": {"steps": 4},
+                   "checkpoints": {"checkpoints": [{"step": 0, "corrected_nll": 0.9, "others_nll": 0.4},
+                                                   {"step": 2, "corrected_nll": 0.5, "others_nll": 0.41},
+                                                   {"step": 4, "corrected_nll": 0.6, "others_nll": 0.47}],
+                                   "best_step": 2, "every": 2, "trained_steps": 4,
+                                   "stopped_early": "at step 4 the other tools' validation NLL rose"},
+                   "default": {"made_default": False, "reason": "not made the default: worse on the other tools"}}
+        return finetune.FinetuneResult("abc", req.out, 1, None, {}, [1.0] * 4, metrics)
+
+    monkeypatch.setattr(finetune, "run_finetune", fake)
+    Store(tmp_path / "x.db")
+    code = main(["finetune", "--db", str(tmp_path / "x.db"), "--out", str(tmp_path / "new"), "--parent", "none",
+                 "--steps", "8", "--replay-ratio", "0.5", "--eval-every", "2", "--worse-by", "0.05", "--seed", "3"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    (req,) = seen
+    assert (req.replay_ratio, req.eval_every, req.worse_by, req.seed, req.steps) == (0.5, 2, 0.05, 3, 8)
+    assert "Checkpoints every 2 steps" in out[-2] and "kept step 2" in out[-2] and "stopped early" in out[-2]
+    assert out[-1] == "adapter abc: not made the default: worse on the other tools"
