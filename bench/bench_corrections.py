@@ -64,10 +64,13 @@ def rehearse_training_calls(policy, n_tasks: int, seed: int, batch: int = 8) -> 
                 items.append({"task": task_id, "episode": episode, "step": view.step.index, "tool": b.call.name,
                               "actual": b.actual})
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
+    started = time.perf_counter()
     for i in range(0, len(prompts), batch):
         for gen, item in zip(policy.rehearse(prompts[i:i + batch], config), items[i:i + batch]):
             predicted, error = parse_result(gen.text)
             item["exact"] = bool(compare(predicted, error is None, item["actual"]).exact)
+        print(f"rehearsed {min(i + batch, len(prompts))}/{len(prompts)} training calls "
+              f"({time.perf_counter() - started:.0f} s, load {load_average()[0]})", file=sys.stderr, flush=True)
     return items
 
 
@@ -122,6 +125,7 @@ def main() -> None:
                                 "seconds": round(time.perf_counter() - started, 1),
                                 "by_tool": dict(collections.Counter(it["tool"] for it in items if not it["exact"]))}
     print(json.dumps(out["divergence_search"]), flush=True)
+    write_results(args.name, {**out, "finished": False})  # a long run keeps what it measured
     del policy
     with tempfile.TemporaryDirectory() as tmp:
         store, tools, chosen = corrected_store(Path(tmp) / "bench.db", items, args.n, args.tools)
@@ -159,6 +163,7 @@ def main() -> None:
                    "met": bool(delta(CORRECTED) is not None and delta(CORRECTED) >= 0.15 and delta(OTHERS) is not None
                                and delta(OTHERS) >= -0.02 and out["finetune_wall_s"] <= 180)}
     out["total_s"] = round(time.perf_counter() - started, 1)
+    out["finished"] = True
     write_results(args.name, out)
     print(out["verdict"])
     print(json.dumps({"delta_exact": out["delta_exact"], "finetune_wall_s": out["finetune_wall_s"],
