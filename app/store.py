@@ -37,6 +37,9 @@ dead writer (the episode was interrupted) from a live one (another process is st
 `Episode.end_reason`; `trace`: `Episode.trace` (JSON) of an imported trace; `source_episode`:
 `Episode.source_episode` (a rehearsal's recorded episode)."""
 ADDED_STEP_COLUMNS = {"ahead_s": float}
+ADDED_ADAPTER_COLUMNS = {"is_default": int, "default_reason": str}
+"""`is_default`: the adapter a run and the next fine-tune start from (at most one row; none: the shipped one);
+`default_reason`: why a fine-tune's child was made the default or not (its other tools' unseen calls)."""
 WRITER = f"{socket.gethostname()}:{os.getpid()}"
 """Branch columns newer than the first schema: added to an older database when it opens."""
 
@@ -181,8 +184,12 @@ class Store:
         db["transitions"].create_index(["tool"], if_not_exists=True)
         db["adapters"].create({
             "id": str, "path": str, "parent": str, "base_model": str, "data": str,
-            "metrics": str, "created_at": str,
+            "metrics": str, "created_at": str, **ADDED_ADAPTER_COLUMNS,
         }, pk="id", if_not_exists=True)
+        have = db["adapters"].columns_dict
+        for name, kind in ADDED_ADAPTER_COLUMNS.items():
+            if name not in have:
+                db["adapters"].add_column(name, kind)
         db["finetune_runs"].create({
             "id": int, "adapter_id": str, "parent": str, "status": str, "config": str,
             "data": str, "losses": str, "metrics": str, "started_at": str, "finished_at": str, "error": str,
@@ -588,6 +595,11 @@ class Store:
         """Paths of registered adapters (for the model picker)."""
         sql = "select path from adapters where path is not null order by created_at"
         return self._guard(lambda: [r["path"] for r in self.db.query(sql)])
+
+    def default_adapter(self) -> str | None:
+        """The path of the registered adapter made the default (None: none is; the shipped one is)."""
+        sql = "select path from adapters where is_default = 1 and path is not null order by created_at desc limit 1"
+        return self._guard(lambda: next((r["path"] for r in self.db.query(sql)), None))
 
     def annotated_episodes(self) -> list[str]:
         """Ids of episodes with at least one annotated branch, newest first (the fine-tune's data picker)."""

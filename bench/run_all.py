@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SCRIPTS = ["bench_decode.py", "bench_weights.py", "bench_step.py", "bench_ui.py", "bench_finetune.py", "bench_remote.py",
-           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py", "bench_rehearse_format.py"]
+           "bench_adapter.py", "bench_prefix_cache.py", "bench_load.py", "bench_gil.py", "bench_rehearse_format.py",
+           "bench_corrections.py"]
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 # The README's short table: the rows of the full table whose figure starts with one of these.
 SHORT_ROWS = ("step p50, shipped adapter", "Step's wait once the step was computed ahead",
@@ -128,6 +129,14 @@ def table() -> str:
     if "wall_s" in ft:
         rows.append(f"| fine-tune, 20 corrected steps x 3 epochs | {fmt(ft['wall_s'], ' s')} "
                     f"({fmt(ft.get('train', {}).get('tokens_per_s'), ' tokens/s')}) | <= 180 s |")
+    cr = load("corrections")
+    if cr.get("delta_exact"):
+        d, u = cr["delta_exact"], cr["unseen"]
+        rows.append(f"| simulated annotator (`bench_corrections.py`), {cr['corrections']} corrections of "
+                    f"{', '.join(cr['corrected_tools'])}: unseen-call exact change, corrected tools (n={u['corrected tools']['n']}) "
+                    f"/ other tools (n={u['other tools']['n']}); fine-tune wall (load average {fmt(cr['load_average_end'][0])}) | "
+                    f"{fmt(d['corrected tools'], '')} / {fmt(d['other tools'], '')}; {fmt(cr['finetune_wall_s'], ' s')} | "
+                    f">= +0.15 / >= -0.02; <= 180 s |")
     remote = load("remote").get("results", {})
     for key, label in (("local_k1", "step, local backend, K=1"), ("local_k4", "step, local backend, K=4"),
                        ("transformers_serve_k1", "step via `transformers serve`, K=1"),

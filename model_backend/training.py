@@ -308,8 +308,12 @@ def _row_loss(model: Any, row: EncodedRow, device: Any) -> Any:
 
 
 def train(model: Any, encoded: Sequence[EncodedRow], config: TrainConfig,
-          progress: ProgressCallback | None = None, dropped: int = 0) -> TrainResult:
-    """Train `model` (LoRA parameters only) on `encoded` rows for `config.steps` optimizer steps."""
+          progress: ProgressCallback | None = None, dropped: int = 0, checkpoint_every: int = 0,
+          checkpoint: Callable[[int], bool] | None = None) -> TrainResult:
+    """Train `model` (LoRA parameters only) on `encoded` rows for `config.steps` optimizer steps.
+
+    `checkpoint(step)` runs after every `checkpoint_every`-th step and after the last one (the model in eval
+    mode, back to training after); when it returns True training stops there (early stopping)."""
     import torch
 
     config.validate()
@@ -374,6 +378,13 @@ def train(model: Any, encoded: Sequence[EncodedRow], config: TrainConfig,
         losses.append(value)
         if progress is not None:
             progress(Progress(step + 1, total, value, time.perf_counter() - started, tokens))
+        if checkpoint is not None and checkpoint_every > 0 and ((step + 1) % checkpoint_every == 0
+                                                                 or step + 1 == total):
+            model.eval()
+            stop = checkpoint(step + 1)
+            model.train()
+            if stop:
+                break
     model.eval()
     cfg = asdict(config)
     cfg["target_modules"] = list(config.target_modules)

@@ -101,6 +101,10 @@ def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> No
     branch_ids = [r["id"] for r in store.branch_rows(ep.id) if r["kind"] == "call"]
     for branch_id in branch_ids[:3]:
         store.add_annotation(Annotation(branch_id=branch_id, label="major", corrected_predicted={"ok": False}))
+    # An earlier fine-tune made the default: a killed one must leave it so.
+    store.db["adapters"].insert({"id": "parent", "path": str(tmp_path / "parent"), "parent": None,
+                                 "base_model": "embedded", "data": "{}", "metrics": "{}", "created_at": "then",
+                                 "is_default": 1, "default_reason": "made the default"})
     proc = start(["finetune", "--db", str(db), "--steps", "10000", "--out", str(out), "--parent", "none",
                   "--no-agreement"], log)
     try:
@@ -109,7 +113,8 @@ def test_a_fine_tune_killed_mid_training_registers_nothing(tmp_path: Path) -> No
     finally:
         kill(proc)
     assert integrity(db) == "ok"
-    assert store.db["adapters"].count == 0
+    assert [r["id"] for r in store.db["adapters"].rows] == ["parent"]
+    assert store.default_adapter() == str(tmp_path / "parent")
     assert not out.exists()
     leftovers = [p for p in out.parent.iterdir()] if out.parent.exists() else []
     assert all(not (p / "adapter_config.json").exists() for p in leftovers)

@@ -239,7 +239,11 @@ def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> No
     assert row["parent"] is None and json.loads(row["data"])["annotations"] == [a["id"] for a in store.annotations()]
     assert (tmp_path / "ft1" / "adapter_model.safetensors").is_file()
 
-    # A second fine-tune from that adapter, killed mid-save: nothing changes.
+    # Not measured on unseen calls: not the default, and the record says why.
+    assert row["is_default"] == 0 and "not measured on unseen calls" in row["default_reason"]
+    store.db["adapters"].update(result.adapter_id, {"is_default": 1})  # as if it had been made the default
+
+    # A second fine-tune from that adapter, killed mid-save: nothing changes, the parent stays the default.
     counts = _table_counts(store)
     parent_files = {p.name: p.read_bytes() for p in (tmp_path / "ft1").iterdir()}
     with pytest.raises(KeyboardInterrupt):
@@ -248,6 +252,7 @@ def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> No
     assert not (tmp_path / "ft2").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".ft2")]
     assert _table_counts(store) == counts
     assert {p.name: p.read_bytes() for p in (tmp_path / "ft1").iterdir()} == parent_files
+    assert store.default_adapter() == str((tmp_path / "ft1").resolve())
 
     # It finishes when not killed, and the registry records the parent.
     second = run_finetune(store, FinetuneRequest(out=tmp_path / "ft2", steps=2, lr=1e-3, parent=tmp_path / "ft1",
@@ -255,6 +260,7 @@ def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> No
     assert second.parent == result.adapter_id
     run = next(store.db["finetune_runs"].rows_where("adapter_id = ?", [second.adapter_id]))
     assert run["parent"] == result.adapter_id and run["status"] == "finished"
+    assert store.default_adapter() == str((tmp_path / "ft1").resolve())  # a child not measured never replaces it
 
 
 @pytest.mark.slow

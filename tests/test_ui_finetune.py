@@ -6,6 +6,7 @@ about the tab's wiring, not about training, which tests/test_training.py covers.
 """
 from __future__ import annotations
 
+import html
 import json
 import threading
 import uuid
@@ -21,6 +22,7 @@ from app.service import Services
 from app.records import Annotation
 from app.ui import build_demo
 from app.ui import constants as C
+from app.ui import render
 from app.ui.finetune_callbacks import FinetuneCallbacks
 from app.ui.run_callbacks import RunCallbacks
 from model_backend.training import Progress
@@ -36,8 +38,9 @@ class FakeFinetune:
     without loading a model. `gate` holds it before training; `error` makes it fail instead."""
 
     def __init__(self, losses=(2.0, 1.4, 0.9), gate: threading.Event | None = None,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, default: tuple[bool, str] | None = None) -> None:
         self.losses, self.gate, self.error = list(losses), gate, error
+        self.default = default or (False, "not made the default: it was not measured on unseen calls")
         self.requests: list = []
 
     def __call__(self, store, req, progress=None) -> FinetuneResult:
@@ -49,15 +52,21 @@ class FakeFinetune:
         for i, loss in enumerate(self.losses, 1):
             progress(Progress(step=i, steps=len(self.losses), loss=loss, elapsed_s=0.1 * i, tokens=100 * i))
         req.out.mkdir(parents=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):  # an adapter directory to continue
+            (req.out / name).write_text("{}")
         adapter_id = uuid.uuid4().hex[:12]
+        made, reason = self.default
+        if made:
+            store.db.execute("update adapters set is_default = 0")
         store.db["adapters"].insert({"id": adapter_id, "path": str(req.out.resolve()), "parent": None,
-                                     "base_model": req.spec, "data": "{}", "metrics": "{}", "created_at": "now"})
+                                     "base_model": req.spec, "data": "{}", "metrics": "{}", "created_at": "now",
+                                     "is_default": int(made), "default_reason": reason})
         metrics = {"before": {"rehearse_nll": 1.5, "rehearse_exact": 0.0, "act_nll": 0.8, "act_agreement": 0.0},
                    "after": {"rehearse_nll": 0.5, "rehearse_exact": 1.0, "act_nll": 0.6, "act_agreement": 1.0},
                    "heldout": {"rows": ["a", "b"], "before": {"rehearse_nll": 0.3, "act_nll": 0.4},
                                "after": {"rehearse_nll": 0.35, "act_nll": 0.4}},
                    "train": {"steps": 3, "loss_first": 2.0, "loss_last": 0.9, "tokens_per_s": 500.0},
-                   "seconds": 0.3}
+                   "seconds": 0.3, "default": {"made_default": made, "reason": reason}}
         return FinetuneResult(adapter_id, req.out, 1, None, {}, self.losses, metrics)
 
 
@@ -253,11 +262,39 @@ def test_run_streams_the_loss_then_shows_before_after_and_new_choices(tab, monke
 def test_a_failing_finetune_is_reported_and_frees_the_slot(tab, monkeypatch, error, text) -> None:
     cb, episode = tab
     correct_two(cb, episode.id)
+    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(True, "made the default")))
+    parent = str((cb.adapter_root / "parent").resolve())
+    list(cb.run(**form(name="parent")))
+    assert cb.services.store.default_adapter() == parent == cb.default_parent()
     monkeypatch.setattr(service, "run_finetune", FakeFinetune(error=error))
     with pytest.warns(UserWarning, match="The fine-tune failed"):
-        views = list(cb.run(**form()))
+        views = list(cb.run(**form(parent=parent)))
     assert text in views[-1][0] and "Nothing was changed" in views[-1][0] and "ea-msg-error" in views[-1][0]
-    assert counts(cb) == (0, 0) and not service.is_running()
+    assert counts(cb) == (1, 0) and not service.is_running()
+    # The parent is still the default: the Run tab and the next fine-tune start from it.
+    assert cb.services.store.default_adapter() == parent == cb.default_parent() == cb.services.default_adapter()
+
+
+def test_a_child_worse_on_the_others_is_not_made_the_default_and_the_tab_says_why(tab, monkeypatch) -> None:
+    cb, episode = tab
+    correct_two(cb, episode.id)
+    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(True, "made the default: other tools "
+                                                                              "0.48 -> 0.48 on 120 unseen calls")))
+    message, status, *_, parent, _, run_adapter = list(cb.run(**form(name="good")))[-1]
+    message = html.unescape(message)
+    good = str((cb.adapter_root / "good").resolve())
+    assert "made the default: other tools 0.48 -> 0.48" in message and "ea-msg-info" in message
+    assert run_adapter.value == good and parent.value == good  # the Run tab and the next fine-tune start from it
+    why = "not made the default: worse on the other tools, Rehearse exact 0.48 -> 0.40 on 120 unseen calls"
+    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(False, why)))
+    message, status, *_, parent, _, run_adapter = list(cb.run(**form(name="worse", parent=good)))[-1]
+    message = html.unescape(message)
+    assert why in message and "ea-msg-warning" in message and render.md_text(why) in status  # literal text
+    assert getattr(run_adapter, "value", None) != str((cb.adapter_root / "worse").resolve())
+    assert parent.value == good and cb.services.store.default_adapter() == good
+    assert cb.services.store.db["adapters"].get(
+        next(r["id"] for r in cb.services.store.db["adapters"].rows_where("path like ?", ["%worse"])))[
+        "default_reason"] == why
 
 
 def test_a_second_finetune_is_refused_while_one_runs(tab, monkeypatch) -> None:

@@ -69,7 +69,8 @@ def register(sub: Any) -> None:
     p.add_argument("--annotated", action="store_true",
                    help="also use annotated branches without a correction (their real response)")
     p.add_argument("--episodes", nargs="+", default=None, help="only corrections in these episode ids")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps (1-10000)")
+    p.add_argument("--steps", type=int, required=True,
+                   help="optimizer steps (1-10000); with --eval-every, the most (it may stop early)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of a new adapter")
     p.add_argument("--parent", default="default",
@@ -79,7 +80,22 @@ def register(sub: Any) -> None:
     p.add_argument("--no-agreement", action="store_true", help="skip the before/after Act generation")
     p.add_argument("--unseen", type=int, default=0,
                    help="measure Rehearse exact and NLL before and after on N real calls never trained on, of the "
-                        "corrected tools and of the other tools each (held-out expert replays; 0: skip)")
+                        "corrected tools and of the other tools each (held-out expert replays; 0: skip); the child "
+                        "becomes the default adapter only when measured and not worse on the other tools")
+    from app.training.finetune import EVAL_EVERY, REPLAY_RATIO, WORSE_BY
+
+    p.add_argument("--replay-ratio", type=float, default=REPLAY_RATIO,
+                   help="replay rows per correction row: a seeded sample of the shipped adapter's own training rows "
+                        f"(BFCL training split), against forgetting (0: corrections only; default {REPLAY_RATIO:g})")
+    p.add_argument("--eval-every", type=int, default=EVAL_EVERY,
+                   help="checkpoint every N steps (and after the last) on training-split validation calls: stop "
+                        "early when the corrected tools stop improving or the other tools get worse, keep the best "
+                        "checkpoint, the parent's weights included "
+                        f"(0: no checkpoints; default {EVAL_EVERY})")
+    p.add_argument("--worse-by", type=float, default=WORSE_BY,
+                   help="the child is not made the default when its Rehearse exact on the other tools' unseen calls "
+                        f"falls by more than this (default {WORSE_BY})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the replay sample, the probes and training")
     p.set_defaults(func=cmd_finetune)
 
 
@@ -174,7 +190,8 @@ def _evaluate(adapter: Path, cfg: Any, previous: Path | None = None, columns: se
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, validate_request
+    from app.training.finetune import (FinetuneError, FinetuneRequest, checkpoint_summary, run_finetune,
+                                       validate_request)
     from app.store import Store, StoreError
 
     if args.parent == "none":
@@ -187,7 +204,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         parent = Path(args.parent)
     req = FinetuneRequest(out=Path(args.out), steps=args.steps, lr=args.lr, rank=args.rank, parent=parent,
                           episodes=args.episodes, annotated=args.annotated, spec=args.model,
-                          measure_agreement=not args.no_agreement, unseen_rows=args.unseen)
+                          measure_agreement=not args.no_agreement, unseen_rows=args.unseen,
+                          replay_ratio=args.replay_ratio, eval_every=args.eval_every,
+                          worse_by=args.worse_by, seed=args.seed)
     db = args.db or default_db_path()
     try:
         validate_request(req)  # before opening anything: a typo costs nothing
@@ -211,6 +230,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     print(json.dumps({"trained_on": {"before": _brief(m["before"]), "after": _brief(m["after"])}, "train": m["train"]}))
     if m.get("verdict"):
         print(m["verdict"])
+    if m.get("checkpoints"):
+        print(checkpoint_summary(m["checkpoints"]))
+    print(f"adapter {result.adapter_id}: {m['default']['reason']}")
     return 0
 
 

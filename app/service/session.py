@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
+from app.config import shipped_adapter
 from app.engine import selection
 from app.envs.base import Task
 from app.records import TRACE_PREFIX, Episode, Step
@@ -155,6 +156,10 @@ class Services:
 
     def adapters(self) -> list[str]:
         return sorted(set(discover_adapters()) | set(self.store.adapter_paths()))
+
+    def default_adapter(self) -> str | None:
+        """The adapter a run starts with: the fine-tuned one made the default, else the shipped one (None: none)."""
+        return self.store.default_adapter() or shipped_adapter()
 
 
 LOAD_SLOW_S = 120

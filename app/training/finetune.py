@@ -15,13 +15,14 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from app import envs
 from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
-from app.records import Annotation, utcnow
+from app.records import Annotation, Episode, utcnow
 from app.store import Store
-from app.training.rows import CorrectionError, PromptContext, correction_rows, expert_rows, parse_corrected_action
+from app.training.rows import (CorrectionError, PromptContext, correction_rows, episode_rows, expert_episode,
+                               expert_rows, parse_corrected_action)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,21 @@ MAX_UNSEEN_ROWS = 200
 UNSEEN_TASKS = 50
 """Held-out tasks whose expert replays the unseen calls are drawn from (every one of their real transitions)."""
 CORRECTED, OTHERS = "corrected tools", "other tools"
+REPLAY_RATIO = 1.0
+"""Replay rows per correction row (the tab's and the CLI's default)."""
+MAX_REPLAY_RATIO = 10.0
+EVAL_EVERY = 5
+"""Checkpoint every N steps (the tab's and the CLI's default; the library's is 0: no checkpoints)."""
+SELECTION_ROWS = 12
+"""Validation calls per group measured at each checkpoint (NLL: a forward pass each)."""
+PATIENCE = 2
+"""Checkpoints without a better corrected-tools NLL before training stops."""
+CHECKPOINT_WORSE = 0.10
+"""At a checkpoint, the other tools are worse when their validation NLL rose by more than this share of the
+parent's: training stops there and that checkpoint cannot be kept."""
+WORSE_BY = 0.02
+"""A child is not made the default when its Rehearse exact on the other tools' unseen calls fell by more."""
+REPLAY_SOURCE = "replay"
 
 
 class FinetuneError(ValueError):
@@ -65,6 +81,18 @@ class FinetuneRequest:
     unseen_rows: int = 0
     """Real calls never trained on, per group, measured before and after (Rehearse exact and NLL): calls of the
     corrected tools, and a fixed sample of calls of the other tools (`unseen_probe`; 0: skip)."""
+    replay_ratio: float = 0.0
+    """Replay rows mixed in per correction row, against forgetting: a seeded sample of the rows the shipped
+    adapter was trained on (expert replays of the BFCL training split), the corrections' role mix (0: none)."""
+    eval_every: int = 0
+    """Checkpoints every N steps and after the last (`steps` is then the most): the validation calls' NLL is
+    measured, training stops early when the corrected tools stop improving or the other tools get worse, and the
+    best checkpoint, the parent's weights included, is kept (0: no checkpoints; all `steps` are trained)."""
+    selection_rows: int = SELECTION_ROWS
+    """Validation calls per group for the checkpoints (training-split replays, never the reported unseen calls)."""
+    patience: int = PATIENCE
+    worse_by: float = WORSE_BY
+    """The other tools' unseen exact may fall by at most this for the child to become the default."""
 
 
 @dataclass
@@ -104,6 +132,14 @@ def validate_request(req: FinetuneRequest) -> None:
         raise FinetuneError(f"held-out rows must be between 0 and {MAX_HELDOUT_ROWS}, got {req.heldout_rows}")
     if not 0 <= req.unseen_rows <= MAX_UNSEEN_ROWS:
         raise FinetuneError(f"unseen calls must be between 0 and {MAX_UNSEEN_ROWS}, got {req.unseen_rows}")
+    if not 0 <= req.replay_ratio <= MAX_REPLAY_RATIO:
+        raise FinetuneError(f"--replay-ratio must be between 0 and {MAX_REPLAY_RATIO:g}, got {req.replay_ratio}")
+    if not 0 <= req.eval_every <= MAX_STEPS:
+        raise FinetuneError(f"--eval-every must be between 0 (no checkpoints) and {MAX_STEPS}, got {req.eval_every}")
+    if not 1 <= req.selection_rows <= MAX_UNSEEN_ROWS or req.patience < 1:
+        raise FinetuneError(f"validation calls must be 1-{MAX_UNSEEN_ROWS} and patience at least 1")
+    if not 0 <= req.worse_by <= 1:
+        raise FinetuneError(f"--worse-by must be between 0 and 1, got {req.worse_by}")
     if Path(req.out).exists():
         raise FinetuneError(f"--out {req.out} already exists; choose a new directory")
     if req.parent is not None and not is_adapter_dir(req.parent):
@@ -374,6 +410,162 @@ def verdict_line(unseen: dict[str, Any]) -> str:
     return "Rehearse exact, " + "; ".join(parts)
 
 
+# ---------------------------------------------------------------- fix the tool, keep the rest
+
+
+def _training_replays(seed: int) -> Iterator[tuple[Any, Episode]]:
+    """(task, expert replay) of the BFCL `multi_turn_base` training split, the shipped adapter's own training
+    data (`app.training.agent`), in a seeded order."""
+    ids = envs.list_tasks("multi_turn_base", "train")
+    random.Random(seed).shuffle(ids)
+    for task_id in ids:
+        task = envs.load_task(task_id)
+        yield task, expert_episode(task)
+
+
+def _replay_rows(task: Any, episode: Episode, ctx: PromptContext) -> list[Any]:
+    """The rows `train-agent` builds from an expert replay (turns the judge passed), marked as replay."""
+    ok = {t.turn for t in episode.turn_results if t.success}
+    return episode_rows(episode, task, ctx, source=REPLAY_SOURCE, turns=ok, rehearse_all_turns=False)
+
+
+def _calls(episode: Episode) -> dict[str, Any]:
+    return {f"{episode.id}/{step.index}/{b.index}": b.call for step in episode.steps for b in step.branches
+            if b.call is not None}
+
+
+def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, tools: set[str], trained: set[str],
+                    selection: int, seed: int = 0) -> tuple[list[Any], dict[str, list[tuple[str, Any]]]]:
+    """(replay rows, validation calls) from expert replays of the BFCL training split, in a seeded task order.
+
+    Replay: `round(ratio * k)` rows of each role the corrections have `k` rows of, sampled (seeded) from the
+    rows the shipped adapter was trained on, never a Rehearse row of a trained call (it could contradict a
+    correction). Validation: up to `selection` Rehearse rows per group (the corrected `tools`, the others), from
+    the tasks after the replay's, never a trained call nor a replay row's transition, each transition once; the
+    checkpoints are measured on them, so the reported unseen calls (held-out split) play no part in choosing the
+    steps.
+    """
+    rng = random.Random(seed)
+    want = {role: round(ratio * sum(r.role == role for r in corrections)) for role in ("act", "rehearse")}
+    pool: dict[str, list[Any]] = {"act": [], "rehearse": []}
+    picked: dict[str, list[tuple[str, Any]]] = {CORRECTED: [], OTHERS: []}
+    seen: set[tuple[str, str]] = set()  # (call, target) of the replay's Rehearse rows: never a validation call
+    replays = _training_replays(seed)
+    for task, episode in replays:  # the replay's tasks: until each role's pool holds 3x what it needs
+        if all(len(pool[role]) >= 3 * n for role, n in want.items()):
+            break
+        calls = _calls(episode)
+        for row in _replay_rows(task, episode, ctx):
+            call = calls.get(row.ref)
+            if row.role == "rehearse" and call is not None and canonical_call(call) in trained:
+                continue
+            pool[row.role].append(row)
+            if call is not None and row.role == "rehearse":
+                seen.add((canonical_call(call), row.target))
+    replay = [row for role, n in want.items() for row in rng.sample(pool[role], min(n, len(pool[role])))]
+    if selection > 0:
+        for task, episode in replays:  # the validation calls: later tasks, those with a wanted call only
+            calls = _calls(episode)
+            need = {g for g in picked if len(picked[g]) < selection and (g == OTHERS or tools)}
+            if not need:
+                break
+            if not any((CORRECTED if c.name in tools else OTHERS) in need for c in calls.values()):
+                continue
+            for row in _replay_rows(task, episode, ctx):
+                call = calls.get(row.ref)
+                if row.role != "rehearse" or call is None or canonical_call(call) in trained:
+                    continue
+                key = (canonical_call(call), row.target)  # one transition once; `ls()` in another state is another
+                group = CORRECTED if call.name in tools else OTHERS
+                if key not in seen and len(picked[group]) < selection:
+                    seen.add(key)
+                    picked[group].append((call.name, row))
+    return replay, picked
+
+
+@dataclass
+class Checkpoint:
+    """The validation NLL of each group at one step (0: the parent, before training)."""
+
+    step: int
+    corrected_nll: float | None
+    others_nll: float | None
+    others_worse: bool = False
+
+
+class EarlyStopping:
+    """Keeps the best checkpoint and says when to stop.
+
+    Best: the lowest validation NLL of the corrected tools among checkpoints where the other tools are not worse
+    (their NLL at most `worse` above the parent's, as a share); with no validation call of the corrected tools,
+    the latest such checkpoint. Stop: the other tools got worse, or `patience` checkpoints in a row were not
+    better than the best."""
+
+    def __init__(self, patience: int = PATIENCE, worse: float = CHECKPOINT_WORSE) -> None:
+        self.patience, self.worse = patience, worse
+        self.history: list[Checkpoint] = []
+        self.best: Checkpoint | None = None
+        self.stopped: str | None = None
+        self._waiting = 0
+
+    def add(self, step: int, corrected_nll: float | None, others_nll: float | None) -> tuple[bool, bool]:
+        """Record a checkpoint; returns (it is the best so far, stop now)."""
+        first = self.history[0] if self.history else None
+        worse = (first is not None and others_nll is not None and first.others_nll is not None
+                 and others_nll > first.others_nll * (1 + self.worse))
+        point = Checkpoint(step, corrected_nll, others_nll, worse)
+        self.history.append(point)
+        if worse:
+            self.stopped = (f"at step {step} the other tools' validation NLL rose from {first.others_nll:.3f} to "  # type: ignore[union-attr]
+                            f"{others_nll:.3f} (more than {self.worse:.0%})")
+            return False, True
+        better = (self.best is None or corrected_nll is None or self.best.corrected_nll is None
+                  or corrected_nll < self.best.corrected_nll)
+        if better:
+            self.best, self._waiting = point, 0
+            return True, False
+        self._waiting += 1
+        if self._waiting >= self.patience:
+            self.stopped = (f"at step {step} the corrected tools' validation NLL had not improved on step "
+                            f"{self.best.step}'s for {self.patience} checkpoint(s)")  # type: ignore[union-attr]
+            return False, True
+        return False, False
+
+    def summary(self) -> dict[str, Any]:
+        return {"checkpoints": [asdict(c) for c in self.history], "best_step": self.best.step if self.best else None,
+                "stopped_early": self.stopped, "patience": self.patience, "others_worse_share": self.worse}
+
+
+def checkpoint_summary(cp: dict[str, Any]) -> str:
+    """One line: the checkpoint kept and why training stopped (`metrics["checkpoints"]`)."""
+    best = cp.get("best_step")
+    kept = ("the parent's weights (step 0): no checkpoint improved the corrected tools without hurting the others"
+            if best == 0 else f"step {best}")
+    points = ", ".join(f"{c['step']}: {_nll(c['corrected_nll'])}/{_nll(c['others_nll'])}" for c in cp["checkpoints"])
+    end = f"stopped early: {cp['stopped_early']}" if cp.get("stopped_early") else f"ran all {cp['trained_steps']} steps"
+    return (f"Checkpoints every {cp['every']} steps, validation NLL corrected/other tools ({points}); kept {kept}; "
+            f"{end}.")
+
+
+def _nll(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def default_decision(metrics: dict[str, Any], worse_by: float = WORSE_BY) -> tuple[bool, str]:
+    """(make the child the default, why): not when it is worse on the other tools' unseen calls (Rehearse exact
+    down by more than `worse_by`), nor when that was not measured."""
+    others = ((metrics.get("unseen") or {}).get("groups") or {}).get(OTHERS) or {}
+    if not others.get("n"):
+        return False, ("not made the default: it was not measured on unseen calls of the other tools "
+                       "(set unseen calls above 0 to measure it)")
+    before, after, n = others["before"]["rehearse_exact"], others["after"]["rehearse_exact"], others["n"]
+    if after < before - worse_by - 1e-9:
+        return False, (f"not made the default: worse on the other tools, Rehearse exact {before:.2f} -> {after:.2f} "
+                       f"on {n} unseen calls (more than {worse_by:.2f} lower); the parent stays the default")
+    return True, (f"made the default: other tools {before:.2f} -> {after:.2f} on {n} unseen calls "
+                  f"(not more than {worse_by:.2f} lower)")
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -412,11 +604,16 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
                             + (f"({notes[0]})" if notes else "(no call or real response to learn from)"))
     config = TrainConfig(steps=req.steps, lr=req.lr, rank=req.rank, seed=req.seed, warmup_steps=min(5, req.steps),
                          max_seq_len=None, pack_len=None)  # type: ignore[arg-type]
-    encoded, dropped = encode_rows(tok, rows)
+    tools, calls = trained_calls(store, selected)
+    replay: list[Any] = []
+    selection: dict[str, list[tuple[str, Any]]] = {CORRECTED: [], OTHERS: []}
+    if req.replay_ratio > 0 or req.eval_every > 0:
+        replay, selection = training_sample(ctx, rows, req.replay_ratio, tools, calls,
+                                            req.selection_rows if req.eval_every else 0, req.seed)
+    encoded, dropped = encode_rows(tok, rows + replay)
     held = heldout_rows(ctx, req.heldout_rows, req.seed)
     probe: dict[str, list[tuple[str, Any]]] = {}
     if req.unseen_rows:
-        tools, calls = trained_calls(store, selected)
         probe = unseen_probe(ctx, tools, calls, req.unseen_rows, req.seed)
     policy = TransformersPolicy(loaded)
     before = correction_metrics(policy, loaded.model, tok, rows, req.measure_agreement)
@@ -425,7 +622,12 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     try:
         model = trainable_model(loaded, config)
         t0 = time.perf_counter()
-        result = train(model, encoded, config, progress=progress, dropped=len(dropped))
+        stopper = EarlyStopping(req.patience) if req.eval_every else None
+        checkpoint = _Checkpoints(model, tok, selection, stopper) if stopper is not None else None
+        result = train(model, encoded, config, progress=progress, dropped=len(dropped),
+                       checkpoint_every=req.eval_every, checkpoint=checkpoint)
+        if checkpoint is not None:
+            checkpoint.restore()  # the best checkpoint is the adapter
     except TrainingError as exc:
         raise FinetuneError(str(exc)) from None
     policy = TransformersPolicy(_with_model(loaded, model))
@@ -435,14 +637,21 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     parent_id = _registry_id(store, req.parent)
     data = {"db": store.path, "annotations": [s.annotation_id for s in selected],
             "branches": [s.branch_id for s in selected], "episodes": sorted({s.episode_id for s in selected}),
-            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows)},
-            "left_out": notes}
+            "rows": {"act": sum(r.role == "act" for r in rows), "rehearse": sum(r.role == "rehearse" for r in rows),
+                     "replay_act": sum(r.role == "act" for r in replay),
+                     "replay_rehearse": sum(r.role == "rehearse" for r in replay)},
+            "replay_ratio": req.replay_ratio, "replay": [r.ref for r in replay], "left_out": notes}
     metrics = {"before": before, "after": after, "train": result.summary(), "seconds": round(time.perf_counter() - t0, 1)}
+    if stopper is not None:
+        metrics["checkpoints"] = {**stopper.summary(), "every": req.eval_every, "trained_steps": result.steps,
+                                  "validation": {g: [r.ref for _, r in items] for g, items in selection.items()}}
     if held:
         metrics["heldout"] = {"rows": [r.ref for r in held], "before": held_before, "after": held_after}
     if probe:
         metrics["unseen"] = summarize_unseen(probe, probe_before, probe_after)
         metrics["verdict"] = metrics["unseen"]["verdict"]
+    made_default, reason = default_decision(metrics, req.worse_by)
+    metrics["default"] = {"made_default": made_default, "reason": reason, "worse_by": req.worse_by}
     adapter_id = uuid.uuid4().hex[:12]
     card = {"adapter_id": adapter_id, "parent": parent_id, "data": data, "metrics": metrics,
             "config": result.config}
@@ -456,6 +665,39 @@ def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], N
     return FinetuneResult(adapter_id, out, run_id, parent_id, data, result.losses, metrics)
 
 
+class _Checkpoints:
+    """`train`'s checkpoint callback: the validation NLL of each group, the best LoRA weights kept in memory."""
+
+    def __init__(self, model: Any, tokenizer: Any, selection: dict[str, list[tuple[str, Any]]],
+                 stopper: EarlyStopping) -> None:
+        from model_backend.training import encode_rows
+
+        self.model, self.stopper = model, stopper
+        self.encoded = {g: encode_rows(tokenizer, [r for _, r in items])[0] for g, items in selection.items()}
+        self.best: dict[str, Any] = {}
+        self(0)  # the parent: what every checkpoint is compared with
+
+    def _nll(self, group: str) -> float | None:
+        from model_backend.training import nll_of_rows
+
+        rows = self.encoded.get(group) or []
+        return round(sum(nll_of_rows(self.model, rows)) / len(rows), 4) if rows else None
+
+    def __call__(self, step: int) -> bool:
+        is_best, stop = self.stopper.add(step, self._nll(CORRECTED), self._nll(OTHERS))
+        if is_best:
+            self.best = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return stop
+
+    def restore(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in self.best:
+                    param.copy_(self.best[name])
+
+
 def _with_model(loaded: Any, model: Any) -> Any:
     from model_backend.loading import LoadedModel
 
@@ -466,10 +708,15 @@ def _with_model(loaded: Any, model: Any) -> Any:
 def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data: dict[str, Any],
               metrics: dict[str, Any], result: Any, started: str, req: FinetuneRequest) -> int:
     config = {**asdict(req), "out": str(req.out), "parent": str(req.parent) if req.parent else None}
+    decision = metrics.get("default") or {}
     with store._lock, store._atomic():
+        if decision.get("made_default"):  # one default at a time; a refused child leaves the parent's
+            store.db.execute("update adapters set is_default = 0 where is_default = 1")
         store.db["adapters"].insert({"id": adapter_id, "path": str(out.resolve()), "parent": parent,
                                      "base_model": req.spec, "data": json.dumps(data),
-                                     "metrics": json.dumps(metrics), "created_at": utcnow()})
+                                     "metrics": json.dumps(metrics), "created_at": utcnow(),
+                                     "is_default": int(bool(decision.get("made_default"))),
+                                     "default_reason": decision.get("reason")})
         return int(store.db["finetune_runs"].insert({
             "adapter_id": adapter_id, "parent": parent, "status": "finished", "config": json.dumps(config),
             "data": json.dumps(data), "losses": json.dumps([round(x, 5) for x in result.losses]),
@@ -477,6 +724,8 @@ def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data
         }).last_pk)
 
 
-__all__ = ["CORRECTED", "OTHERS", "FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows",
+__all__ = ["CORRECTED", "EVAL_EVERY", "OTHERS", "REPLAY_RATIO", "Checkpoint", "EarlyStopping", "checkpoint_summary",
+           "default_decision",
+           "training_sample", "FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows",
            "correction_metrics", "rehearse_scores", "summarize_unseen", "trained_calls", "unseen_probe", "verdict_line",
            "wilson", "heldout_rows", "run_finetune", "select_corrections", "validate_request"]

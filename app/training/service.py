@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from app.config import shipped_adapter
-from app.training.finetune import (MAX_HELDOUT_ROWS, MAX_UNSEEN_ROWS, FinetuneError, FinetuneRequest, FinetuneResult,
+from app.training.finetune import (MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, FinetuneError, FinetuneRequest, FinetuneResult,
                                    Selected, build_rows, run_finetune, select_corrections)
 from app.service import InputError, parse_number
 from app.store import Store
@@ -60,7 +60,7 @@ def adapter_dir(name: str | None, root: Path = ADAPTER_ROOT) -> Path:
 
 def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr: Any, rank: Any,
                   parent: str | None, out: Path, heldout_rows: Any, agreement: bool,
-                  max_steps: int, unseen_rows: Any = 0) -> FinetuneRequest:
+                  max_steps: int, unseen_rows: Any = 0, replay_ratio: Any = 0, eval_every: Any = 0) -> FinetuneRequest:
     """A FinetuneRequest from raw form values; an InputError names the field and its range.
 
     `parent` is an adapter directory or None (the base weights); the library checks that it
@@ -73,9 +73,12 @@ def build_request(*, episodes: list[str] | None, annotated: bool, steps: Any, lr
     rank = int(parse_number("Rank", rank, 1, 256, whole=True))
     held = int(parse_number("Held-out rows", heldout_rows, 0, MAX_HELDOUT_ROWS, whole=True))
     unseen = int(parse_number("Unseen calls per group", unseen_rows, 0, MAX_UNSEEN_ROWS, whole=True))
+    replay = parse_number("Replay ratio", replay_ratio, 0, MAX_REPLAY_RATIO, whole=False)
+    every = int(parse_number("Evaluate every N steps", eval_every, 0, max_steps, whole=True))
     return FinetuneRequest(out=out, steps=steps, lr=lr, rank=rank, parent=Path(parent) if parent else None,
                            episodes=list(episodes) if episodes else None, annotated=bool(annotated),
-                           measure_agreement=bool(agreement), heldout_rows=held, unseen_rows=unseen)
+                           measure_agreement=bool(agreement), heldout_rows=held, unseen_rows=unseen,
+                           replay_ratio=float(replay), eval_every=every)
 
 
 def parent_path(choice: str | None, shipped_label: str, none_label: str) -> str | None:

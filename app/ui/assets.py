@@ -39,6 +39,7 @@ VIEW_CSS = """
 .ea-empty { opacity: .7; padding: 8px; }
 .ea-msg { padding: 6px 10px; border-radius: 6px; }
 .ea-msg-error { background: rgba(220,38,38,.12); border: 1px solid #dc2626; }
+.ea-msg-warning { background: rgba(217,119,6,.12); border: 1px solid #d97706; }
 .ea-msg-info { background: rgba(59,130,246,.10); border: 1px solid rgba(59,130,246,.6); }
 .ea-cheatsheet table td { padding: 2px 8px; }
 /* Opened over the page, near its top right, where it is seen whatever the scroll (at the bottom of the tab it

@@ -54,7 +54,9 @@ lets a duplicate press in one session be refused at once instead of waiting behi
 # The Fine-tune tab. Parent choices besides registered adapter paths:
 PARENT_SHIPPED = "default (the shipped agent)"
 PARENT_NONE = "(none: base weights)"
-FT_DEFAULTS = {"steps": 20, "lr": 3e-4, "rank": 16, "heldout_rows": 4, "agreement": True, "unseen_rows": 16}
+FT_DEFAULTS = {"steps": 20, "lr": 3e-4, "rank": 16, "heldout_rows": 4, "agreement": True, "unseen_rows": 16,
+               "replay_ratio": 1.0, "eval_every": 5}
+# Replay 1:1 and a checkpoint every 5 steps: see docs/TRAINING.md (fix the tool, keep the rest).
 # 16 unseen calls per group: 64 greedy rehearsals before and after, a minute or two on 2 cores.
 # 20 steps: a couple of corrections are learned in about that many on 2 cores (1-3 s a step).
 FT_MAX_STEPS = 500

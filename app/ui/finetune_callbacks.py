@@ -15,7 +15,7 @@ import gradio as gr
 from app.training import figures
 from app.training import service
 from app.config import shipped_adapter
-from app.training.finetune import FinetuneError, FinetuneResult, validate_request
+from app.training.finetune import FinetuneError, FinetuneResult, checkpoint_summary, validate_request
 from app.service import InputError, Services, annotated_episode_choices
 from app.store import StoreError
 from app.ui import constants as C
@@ -46,9 +46,10 @@ class FinetuneCallbacks:
         return ([C.PARENT_SHIPPED] if shipped else []) + [C.PARENT_NONE] + \
             [a for a in self.services.adapters() if a != shipped]
 
-    @staticmethod
-    def default_parent() -> str:
-        return C.PARENT_SHIPPED if shipped_adapter() else C.PARENT_NONE
+    def default_parent(self) -> str:
+        """The default adapter: the fine-tuned one made the default, else the shipped one, else none."""
+        made = self.services.store.default_adapter()
+        return made or (C.PARENT_SHIPPED if shipped_adapter() else C.PARENT_NONE)
 
     def refresh(self) -> tuple[Any, Any]:
         """Episodes with annotations, and the parents (a fine-tune in another session may have added one)."""
@@ -80,8 +81,8 @@ class FinetuneCallbacks:
     # ------------------------------------------------------------ the fine-tune
 
     def run(self, episodes: list[str] | None, annotated: bool, steps: Any, lr: Any, rank: Any, parent: str | None,
-            name: str, heldout_rows: Any, agreement: bool, unseen_rows: Any = 0,
-            progress=gr.Progress()) -> Iterator[FinetuneView]:
+            name: str, heldout_rows: Any, agreement: bool, unseen_rows: Any = 0, replay_ratio: Any = 0,
+            eval_every: Any = 0, progress=gr.Progress()) -> Iterator[FinetuneView]:
         """Validate, start the job (one at a time), stream the loss, then show before/after."""
         skip = gr.skip()
         try:
@@ -89,7 +90,7 @@ class FinetuneCallbacks:
                 episodes=episodes, annotated=annotated, steps=steps, lr=lr, rank=rank,
                 parent=service.parent_path(parent, C.PARENT_SHIPPED, C.PARENT_NONE),
                 out=service.adapter_dir(name, self.adapter_root), heldout_rows=heldout_rows, agreement=agreement,
-                max_steps=C.FT_MAX_STEPS, unseen_rows=unseen_rows)
+                max_steps=C.FT_MAX_STEPS, unseen_rows=unseen_rows, replay_ratio=replay_ratio, eval_every=eval_every)
             validate_request(req)  # the parent is an adapter, the directory is new
             plan = service.plan(self.services.store, req.episodes, req.annotated)  # nothing selected, bad JSON
             job = service.start(self.services.store, req)
@@ -98,7 +99,9 @@ class FinetuneCallbacks:
             yield (message_html(f"{exc} Nothing was changed.", "error"), *(skip,) * 7)
             return
         what = (f"{plan_summary(plan)} Parent: {parent or C.PARENT_NONE}; new adapter: `{req.out}`; "
-                f"{req.steps} steps at learning rate {req.lr:g}.")
+                f"{'at most ' if req.eval_every else ''}{req.steps} steps at learning rate {req.lr:g}"
+                + (f", {req.replay_ratio:g} replay row(s) per correction row" if req.replay_ratio else "")
+                + (f", a checkpoint every {req.eval_every} steps" if req.eval_every else "") + ".")
         started = time.perf_counter()
         progress(0.0, desc="Loading the model and measuring the examples before training")
         yield (message_html("Fine-tuning… the model trains on this machine's CPU."),
@@ -129,16 +132,27 @@ class FinetuneCallbacks:
     def _finished(self, result: FinetuneResult | None, what: str) -> FinetuneView:
         assert result is not None
         train = result.metrics.get("train", {})
+        decision = result.metrics.get("default") or {}
+        made = bool(decision.get("made_default"))
         text = (f"Adapter {result.adapter_id} saved to {result.path} and registered (parent: "
-                f"{result.parent or 'base weights'}). It is now in the Run tab's Adapter list.")
+                f"{result.parent or 'base weights'}). It is now in the Run tab's Adapter list; "
+                f"{decision.get('reason', 'not made the default')}.")
         status = (f"{what}\n\n**Done** in {result.metrics.get('seconds', '?')} s of training: "
                   f"{train.get('steps', len(result.losses))} steps, loss {train.get('loss_first')} → "
                   f"{train.get('loss_last')}, {train.get('tokens_per_s')} tokens/s.")
         if result.metrics.get("verdict"):  # on calls it never saw: did it fix the tool, and keep the rest?
             status += f"\n\n**{render.md_text(result.metrics['verdict'])}**"
-        return (message_html(text), status, figures.loss_figure(result.losses, len(result.losses)),
+        if result.metrics.get("checkpoints"):
+            status += f"\n\n{render.md_text(checkpoint_summary(result.metrics['checkpoints']))}"
+        status += f"\n\n**Default adapter**: {render.md_text(decision.get('reason', 'not made the default'))}."
+        run_adapter = self.run_adapter_choices()
+        if made:  # the Run tab starts from it now
+            run_adapter = gr.Dropdown(choices=[C.NO_ADAPTER] + self.services.adapters(),
+                                      value=str(Path(result.path).resolve()))
+        return (message_html(text, "info" if made else "warning"), status, figures.loss_figure(result.losses, len(result.losses)),
                 figures.comparison_rows(result.metrics), figures.comparison_figure(result.metrics),
-                gr.Dropdown(choices=self.parent_choices()), service.default_name(), self.run_adapter_choices())
+                gr.Dropdown(choices=self.parent_choices(), value=self.default_parent()), service.default_name(),
+                run_adapter)
 
 
 def plan_summary(plan: service.Plan) -> str:

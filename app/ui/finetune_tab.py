@@ -6,7 +6,7 @@ from typing import Any, Callable
 import gradio as gr
 
 from app.training import figures
-from app.training.finetune import MAX_HELDOUT_ROWS, MAX_UNSEEN_ROWS
+from app.training.finetune import MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, WORSE_BY
 from app.training.service import ADAPTER_ROOT, default_name
 from app.service import Services, annotated_episode_choices
 from app.ui import constants as C
@@ -27,7 +27,7 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
             annotated = gr.Checkbox(False, label="Also annotated branches without a correction (real response)")
             preview = gr.Button(C.FT_PREVIEW, size="sm")
             with gr.Row():
-                steps = gr.Number(d["steps"], label="Steps", info=f"1-{C.FT_MAX_STEPS}")
+                steps = gr.Number(d["steps"], label="Max steps", info=f"1-{C.FT_MAX_STEPS}; checkpoints may stop sooner")
                 lr = gr.Number(d["lr"], label="Learning rate", info="> 0, at most 1")
                 rank = gr.Number(d["rank"], label="LoRA rank", info="1-256 (a parent keeps its own)")
             parent = gr.Dropdown(cb.parent_choices(), value=cb.default_parent(), label="Parent adapter",
@@ -41,6 +41,15 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
                                         "of the corrected tools, and of the other tools (0: skip)")
                 agreement = gr.Checkbox(d["agreement"], label="Generate: Act agreement and Rehearse exact "
                                                               "(a few seconds a row)")
+            with gr.Accordion("Advanced: keep the rest (replay, checkpoints)", open=False):
+                replay = gr.Number(d["replay_ratio"], label="Replay ratio",
+                                   info=f"0-{MAX_REPLAY_RATIO:g} rows of the shipped adapter's own training data "
+                                        "(BFCL training split) per correction row, against forgetting (0: none)")
+                eval_every = gr.Number(d["eval_every"], label="Evaluate every N steps",
+                                       info="checkpoints on training-split validation calls: stop when the corrected "
+                                            "tools stop improving or the others get worse, keep the best (0: off)")
+                gr.Markdown(f"The new adapter becomes the default (the Run tab's and the next parent) only when "
+                            f"its Rehearse exact on the other tools' unseen calls falls by at most {WORSE_BY:g}.")
             run = gr.Button(C.FT_RUN, variant="primary")
         with gr.Column(scale=3):
             message = gr.HTML("", elem_id=C.ID_FT_MESSAGE, css_template=VIEW_CSS)
@@ -63,6 +72,6 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
         cb.show_plan, data, plan_view, api_visibility="private")
     # Its own concurrency group, two slots: a second press reaches the callback at once and is
     # told that a fine-tune is running (one at a time, enforced by app.training.service).
-    run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement, unseen],
+    run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement, unseen, replay, eval_every],
               [message, status, loss, comparison, comparison_figure, parent, name, run_adapter],
               api_name="finetune", concurrency_id="finetune", concurrency_limit=2)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.config import shipped_adapter
 
 from app.service import ENV_CLASSES, RunSession, Services
 from app.ui import constants as C
@@ -42,8 +41,8 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
             model = gr.Dropdown([C.DEFAULT_MODEL], value=C.DEFAULT_MODEL, allow_custom_value=True, label="Model",
                                 info="embedded | hf:<id or path> | gguf:<path> | openai:<base_url>#<model>",
                                 elem_classes=[C.CLASS_FULL_ON_HOVER])
-            shipped = shipped_adapter()  # the trained agent, when fixtures/ has it
-            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=shipped or C.NO_ADAPTER,
+            default = services.default_adapter()  # a fine-tune made the default, else the shipped agent
+            adapter = gr.Dropdown([C.NO_ADAPTER] + services.adapters(), value=default or C.NO_ADAPTER,
                                   allow_custom_value=True, label="Adapter (LoRA)",
                                   elem_classes=[C.CLASS_FULL_ON_HOVER])
             mode = gr.Radio(list(C.MODES), value=d["mode"], label="Rehearsal mode")
@@ -68,7 +67,7 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
                 memory_k = gr.Number(d["memory_k"], label="Transitions per rehearsal", info="0-8")
                 shadow = gr.Checkbox(d["shadow"], label="Shadow execution (run the alternatives on forks)")
                 context = gr.Radio(list(C.REHEARSAL_CONTEXTS), value=d["rehearsal_context"], label="Rehearsal context")
-                tool_choice = gr.Radio(list(C.TOOL_CHOICES), value=d["tool_choice"] if shipped is None else "auto",
+                tool_choice = gr.Radio(list(C.TOOL_CHOICES), value=d["tool_choice"] if default is None else "auto",
                                        label="Tool choice", info="required: every step calls a tool; first: the first "
                                        "step after each user message does; auto: any step may answer in plain text")
                 constrain = gr.Checkbox(d["constrain"], label="Schema-constrained decoding",
