@@ -41,7 +41,7 @@ def drive(url: str, task_id: str, out: dict, errors: list) -> None:
         with sync_playwright() as p:
             browser = launch(p, nice=True)  # the server, not eight repainting pages, gets the cores
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(120_000)
+            page.set_default_timeout(300_000)  # eight browsers and the model on two cores: setup clicks can be slow
             page.goto(url)
             task = page.get_by_label("Task", exact=True)
             task.click()
