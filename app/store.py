@@ -596,6 +596,29 @@ class Store:
         sql = "select path from adapters where path is not null order by created_at"
         return self._guard(lambda: [r["path"] for r in self.db.query(sql)])
 
+    def latest_annotations(self) -> list[dict[str, Any]]:
+        """Every annotation row with its branch's episode, step and branch index (`step_idx`, `bidx`) and its own id
+        (`aid`), oldest first: a fine-tune keeps the latest per branch."""
+        sql = ("select a.id as aid, a.*, b.episode_id, b.step_idx, b.idx as bidx from annotations a "
+               "join branches b on b.id = a.branch_id order by a.id")
+        return self._guard(lambda: [dict(r) for r in self.db.query(sql)])
+
+    def adapter_id(self, path: str) -> str | None:
+        """The registry id of the adapter registered at `path` (resolved), or None."""
+        sql = "select id from adapters where path = ?"
+        return self._guard(lambda: next((str(r["id"]) for r in self.db.query(sql, [path])), None))
+
+    def register_finetune(self, adapter: dict[str, Any], run: dict[str, Any], make_default: bool) -> int:
+        """Register a fine-tuned adapter (`adapters` row) and its run (`finetune_runs` row) in one transaction; with
+        `make_default` it becomes the one default adapter. Returns the run's id."""
+        def write() -> int:
+            with self._atomic():
+                if make_default:
+                    self.db.execute("update adapters set is_default = 0 where is_default = 1")
+                self.db["adapters"].insert({**adapter, "is_default": int(make_default)})
+                return int(self.db["finetune_runs"].insert(run).last_pk)
+        return self._guard(write)
+
     def default_adapter(self) -> str | None:
         """The path of the registered adapter made the default (None: none is; the shipped one is)."""
         sql = "select path from adapters where is_default = 1 and path is not null order by created_at desc limit 1"

@@ -3,6 +3,7 @@ through the service layer. Read from the source (AST), so a lazy in-function imp
 relative import (`from .x import y`, `from .. import z`) is resolved to the module it names; imports under
 `if TYPE_CHECKING:` do not count (they never run)."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,3 +124,13 @@ def test_core_modules_depend_on_nothing_above_them():
     core = ("app.records", "app.formats", "app.divergence", "app.store", "app.config")
     above = ("app.engine", "app.service", "app.ui", "app.cli", "app.eval", "app.training")
     assert {m: sorted(d for d in g[m] if d.startswith(above)) for m in core} == {m: [] for m in core}
+
+
+def test_sql_on_the_apps_database_lives_in_the_store_only():
+    """The README's concept table: SQL is `app/store.py`'s (other modules call its methods; the MCP environments'
+    own SQLite files are the servers' databases, not the app's)."""
+    pattern = re.compile(r"\bstore\.db\b|\bstore\._(lock|atomic)\b|\.db\.(query|execute)\(|\.db\[")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "app").rglob("*.py"))
+             if path != ROOT / "app" / "store.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

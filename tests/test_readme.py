@@ -120,3 +120,27 @@ def test_changelog_is_dated_one_line_an_entry():
     assert entries and all(len(e) <= 200 for e in entries), max(entries, key=len)
     # nothing but headings, entries and blank lines after the title
     assert all(not line or line.startswith(("#", "- ", "One line per change")) for line in lines)
+
+
+def concept_paths(text: str) -> list[str]:
+    """The repository paths the README's concept table names (code spans starting `app/` or `model_backend/`; a
+    dotted attribute such as `app/engine/selection.check_selector` names its module)."""
+    table = text[text.index("| concept | owner | used by |"):]
+    table = table[:table.index("\n\n")]
+    return [span for span in re.findall(r"`([^`\s]+)`", table) if re.match(r"^(app|model_backend)/", span)]
+
+
+def test_every_path_the_concept_table_names_exists():
+    paths = concept_paths(README.read_text())
+    assert len(paths) >= 15  # the table is found and read
+    missing = []
+    for span in paths:
+        module = re.sub(r"\.[a-z_]+$", "", span) if not span.endswith((".py", "/")) else span
+        if not any((ROOT / p).exists() for p in (span, module, module + ".py")):
+            missing.append(span)
+    assert missing == []
+
+
+def test_the_concept_check_catches_a_missing_path():
+    text = "| concept | owner | used by |\n|---|---|---|\n| x | `app/no_such_module.py` | `app/store.py` |\n\n"
+    assert [p for p in concept_paths(text) if not (ROOT / p).exists()] == ["app/no_such_module.py"]

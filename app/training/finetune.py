@@ -150,10 +150,8 @@ def validate_request(req: FinetuneRequest) -> None:
 def select_corrections(store: Store, episodes: list[str] | None = None, annotated: bool = False) -> list[Selected]:
     """Annotated branches with a correction (and, with `annotated`, those without one),
     the latest annotation per branch; corrections are validated here."""
-    sql = ("select a.id as aid, a.*, b.episode_id, b.step_idx, b.idx as bidx from annotations a "
-           "join branches b on b.id = a.branch_id order by a.id")
     latest: dict[int, dict[str, Any]] = {}
-    for row in store.db.query(sql):
+    for row in store.latest_annotations():
         if episodes and row["episode_id"] not in episodes:
             continue
         latest[row["branch_id"]] = row  # later annotations of a branch supersede earlier ones
@@ -574,9 +572,7 @@ def _registry_id(store: Store, path: Path | None) -> str | None:
     if path is None:
         return None
     resolved = str(Path(path).resolve())
-    for row in store.db.query("select id from adapters where path = ?", [resolved]):
-        return str(row["id"])
-    return resolved
+    return store.adapter_id(resolved) or resolved
 
 
 def run_finetune(store: Store, req: FinetuneRequest, progress: Callable[[Any], None] | None = None,
@@ -709,19 +705,14 @@ def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data
               metrics: dict[str, Any], result: Any, started: str, req: FinetuneRequest) -> int:
     config = {**asdict(req), "out": str(req.out), "parent": str(req.parent) if req.parent else None}
     decision = metrics.get("default") or {}
-    with store._lock, store._atomic():
-        if decision.get("made_default"):  # one default at a time; a refused child leaves the parent's
-            store.db.execute("update adapters set is_default = 0 where is_default = 1")
-        store.db["adapters"].insert({"id": adapter_id, "path": str(out.resolve()), "parent": parent,
-                                     "base_model": req.spec, "data": json.dumps(data),
-                                     "metrics": json.dumps(metrics), "created_at": utcnow(),
-                                     "is_default": int(bool(decision.get("made_default"))),
-                                     "default_reason": decision.get("reason")})
-        return int(store.db["finetune_runs"].insert({
-            "adapter_id": adapter_id, "parent": parent, "status": "finished", "config": json.dumps(config),
-            "data": json.dumps(data), "losses": json.dumps([round(x, 5) for x in result.losses]),
-            "metrics": json.dumps(metrics), "started_at": started, "finished_at": utcnow(), "error": None,
-        }).last_pk)
+    return store.register_finetune(
+        {"id": adapter_id, "path": str(out.resolve()), "parent": parent, "base_model": req.spec,
+         "data": json.dumps(data), "metrics": json.dumps(metrics), "created_at": utcnow(),
+         "default_reason": decision.get("reason")},
+        {"adapter_id": adapter_id, "parent": parent, "status": "finished", "config": json.dumps(config),
+         "data": json.dumps(data), "losses": json.dumps([round(x, 5) for x in result.losses]),
+         "metrics": json.dumps(metrics), "started_at": started, "finished_at": utcnow(), "error": None},
+        make_default=bool(decision.get("made_default")))  # one default at a time; a refused child leaves the parent's
 
 
 __all__ = ["CORRECTED", "EVAL_EVERY", "OTHERS", "REPLAY_RATIO", "Checkpoint", "EarlyStopping", "checkpoint_summary",
