@@ -357,3 +357,13 @@ def test_run_tab_step_against_a_server_without_prompt_logprobs(tmp_path):
                     "openai, llama.cpp, sglang)") in status
         finally:
             demo.close()
+
+
+@pytest.mark.parametrize("model, expected", [("openai:http://127.0.0.1:8080/v1#m", C.NO_ADAPTER),
+                                             (" openai:http://gpu:8000/v1#Qwen/Qwen3-8B", C.NO_ADAPTER),
+                                             ("embedded", "fixtures/adapters/x"), ("hf:/models/m", "fixtures/adapters/x")])
+def test_picking_a_served_model_clears_the_lora_adapter(model, expected):
+    """A served model runs its server's weights: the Adapter box's default LoRA would refuse every step."""
+    from app.service import forms
+
+    assert forms.adapter_for_model(model, "fixtures/adapters/x", C.NO_ADAPTER) == expected

@@ -86,6 +86,12 @@ ANSWER_HINT = 'tick "plain answer" if the correction is a reply in words, not a 
 CALL_FORMAT = '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 
 
+def adapter_for_model(model: str, adapter: str | None, none: str) -> str | None:
+    """The Adapter box's value once the person picks `model`: a served model (`openai:`) runs its server's own
+    weights, so a LoRA adapter is cleared to `none` (keeping it would refuse every step); other models keep it."""
+    return none if str(model or "").strip().startswith("openai:") else adapter
+
+
 def parse_corrected_response(text: str | None) -> tuple[bool, Any]:
     """The corrected-response field as (set, value): an empty field sets nothing; anything else must be one JSON
     document, and `null`, `""`, `0` and `false` are corrections like any other."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gradio as gr
 
 
-from app.service import ENV_CLASSES, RunSession, Services
+from app.service import ENV_CLASSES, RunSession, Services, forms
 from app.ui import constants as C
 from app.ui import render
 from app.ui.assets import VIEW_CSS
@@ -136,6 +136,9 @@ def build_run_tab(services: Services) -> dict[str, gr.components.Component]:
     # Outside the queue: a lookup, it must not wait behind steps.
     ahead_timer.tick(cb.ahead_line, [session], ahead, queue=False, show_progress="hidden", api_visibility="private")
 
+    # A served model runs its server's weights: picking one clears the LoRA adapter (it would refuse the step).
+    model.input(lambda m, a: forms.adapter_for_model(m, a, C.NO_ADAPTER), [model, adapter], adapter, queue=False,
+                api_visibility="private", show_progress="hidden")
     source.change(cb.toggle_source, source, [task_group, instruction_group], api_visibility="private")
     narrowing = [env_filter, category_filter, task_search, task]
     env_filter.input(cb.filter_tasks, narrowing, task, api_name="filter_tasks")
