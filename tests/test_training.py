@@ -234,7 +234,7 @@ def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> No
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
     before, after = result.metrics["before"], result.metrics["after"]
     assert after["rehearse_nll"] < before["rehearse_nll"], (before, after)
-    assert result.data["rows"] == {"act": 0, "rehearse": 3}
+    assert result.data["rows"] == {"act": 0, "rehearse": 3, "replay_act": 0, "replay_rehearse": 0}  # no replay asked
     row = store.db["adapters"].get(result.adapter_id)
     assert row["parent"] is None and json.loads(row["data"])["annotations"] == [a["id"] for a in store.annotations()]
     assert (tmp_path / "ft1" / "adapter_model.safetensors").is_file()

@@ -329,7 +329,8 @@ def test_real_finetune_through_the_tab(tab) -> None:
     assert len(loss.data[0].y) == 3
     (row,) = store.db["adapters"].rows
     out = str((cb.adapter_root / "real").resolve())
-    assert row["path"] == out and row["parent"] is None and json.loads(row["data"])["rows"] == {"act": 0, "rehearse": 2}
+    assert row["path"] == out and row["parent"] is None
+    assert json.loads(row["data"])["rows"] == {"act": 0, "rehearse": 2, "replay_act": 0, "replay_rehearse": 0}
     assert out in choice_values(run_adapter) and out in choice_values(parent)
     measured = {(r[0].split(" ")[0], r[1]) for r in rows}
     assert {("trained", "Rehearse NLL"), ("trained", "Rehearse exact"), ("held-out", "Rehearse NLL"),
