@@ -273,9 +273,11 @@ def _skip_draws(generator: torch.Generator | None, vocab_size: int, n: int) -> N
         torch.multinomial(one_hot, 1, generator=generator)
 
 
-def _hit_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...], window: int) -> bool:
-    """Whether the decoded tail of `ids` contains a stop string (cheap: only the last tokens)."""
-    if not stop:
+def _hit_stop(tokenizer: Any, ids: list[int], stop: tuple[str, ...], window: int, matcher: Any = None) -> bool:
+    """Whether the decoded tail of `ids` contains a stop string (cheap: only the last tokens). A constrained row
+    (`matcher`) stops only where its grammar is complete: a stop string written inside a JSON string (a Rehearse
+    value that quotes `</execution_result>`) is text, and stopping there left the value unclosed."""
+    if not stop or (matcher is not None and not matcher.accepting):
         return False
     tail = tokenizer.decode(ids[-window:], skip_special_tokens=False)
     return any(s in tail for s in stop)
@@ -288,7 +290,7 @@ def _take_forced(tokenizer: Any, matcher: Any, out: RowOutput, stop: tuple[str, 
     for token in matcher.forced(max_new_tokens - len(out.token_ids)):
         out.token_ids.append(token)
         taken.append(token)
-        if _hit_stop(tokenizer, out.token_ids, stop, window):
+        if _hit_stop(tokenizer, out.token_ids, stop, window, matcher):
             break
     return taken
 
@@ -320,7 +322,12 @@ def _twins(twin_of: list[int], feeds: list[list[int]], fed: list[bool]) -> torch
     return torch.tensor(twin_of) if any(t != i for i, t in enumerate(twin_of)) else None
 
 
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+def _cut_at_stop(text: str, stop: tuple[str, ...], constrained: bool = False) -> str:
+    """`text` cut just after its first stop string; a constrained row's just after its last (an earlier one is
+    inside the grammar's value, the last is where the grammar ended)."""
+    if constrained:
+        ends = [text.rfind(s) + len(s) for s in stop if s in text]
+        return text[: max(ends)] if ends else text
     ends = [text.find(s) + len(s) for s in stop if s in text]
     return text[: min(ends)] if ends else text
 
@@ -398,7 +405,7 @@ def generate(
                     forced_ids = _take_forced(tokenizer, matcher, out, rows[i].stop, windows[i], max_new_tokens)
                     feeds[i] += forced_ids
                     _skip_draws(generators[i], logits.shape[-1], len(forced_ids))
-                if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i]):
+                if _hit_stop(tokenizer, out.token_ids, rows[i].stop, windows[i], matcher):
                     done[i] = out.finished = True
                 elif len(out.token_ids) >= max_new_tokens:
                     done[i] = True
@@ -439,7 +446,8 @@ def generate(
                 break
 
     for row, out in zip(rows, outputs):
-        out.text = _cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=False), row.stop)
+        out.text = _cut_at_stop(tokenizer.decode(out.token_ids, skip_special_tokens=False), row.stop,
+                                constrained=row.matcher is not None)
     return outputs
 
 

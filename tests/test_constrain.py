@@ -512,3 +512,27 @@ def test_relevance_re_aims_the_primary_at_the_top_ranked_tool(policy: Any) -> No
     assert parse_action(gens[0].text).call.name == ranked[0].tool.name
     assert log_p == {r.tool.name: r.log_p - ranked[0].log_p for r in ranked}
     assert log_p[ranked[0].tool.name] == 0.0 and all(v <= 0 for v in log_p.values())
+
+
+def test_a_stop_string_inside_a_constrained_value_does_not_end_the_row(tokenizer) -> None:
+    """A Rehearse value may quote the close tag (`"...</execution_result>..."`): the row stops only where the grammar
+    is complete, and its text is cut after the last stop string, so the prediction stays valid JSON (before, the
+    text was cut inside the string: `{"a": "x</execution_result>`)."""
+    from app.formats import RESULT_CLOSE, rehearse_constraint
+    from model_backend.constrain import RowMatcher
+    from model_backend.decoding import _cut_at_stop, _hit_stop
+
+    inside, rest = '{"note": "x' + RESULT_CLOSE, '"}' + RESULT_CLOSE
+    matcher = RowMatcher(tokenizer, rehearse_constraint(None))
+    ids = tokenizer.encode(inside, add_special_tokens=False)
+    assert all(matcher.consume(t) for t in ids)
+    window = len(RESULT_CLOSE.encode()) + 2
+    assert not _hit_stop(tokenizer, ids, (RESULT_CLOSE,), window, matcher)  # inside the string: go on
+    assert _hit_stop(tokenizer, ids, (RESULT_CLOSE,), window)  # unconstrained rows stop at the text, as before
+    more = tokenizer.encode(rest, add_special_tokens=False)
+    assert all(matcher.consume(t) for t in more) and matcher.accepting
+    assert _hit_stop(tokenizer, ids + more, (RESULT_CLOSE,), window, matcher)
+    text = tokenizer.decode(ids + more)
+    assert _cut_at_stop(text, (RESULT_CLOSE,), constrained=True) == inside + rest
+    assert json.loads(_cut_at_stop(text, (RESULT_CLOSE,), constrained=True).removesuffix(RESULT_CLOSE)) == \
+        {"note": "x" + RESULT_CLOSE}
