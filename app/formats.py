@@ -414,10 +414,15 @@ def parse_result(text: str) -> tuple[Any, str | None]:
     body = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
     if RESULT_OPEN in body:
         body = body.split(RESULT_OPEN, 1)[1]
-    body = body.split(RESULT_CLOSE, 1)[0].strip()
+    whole, body = body, body.split(RESULT_CLOSE, 1)[0].strip()
     if not body:
         return None, "empty <execution_result>"
     try:
         return _first_json_value(body), None
     except (ValueError, json.JSONDecodeError) as exc:
+        if whole.count(RESULT_CLOSE) > 1:  # a string of the value quotes the close tag: the last one ends it
+            try:
+                return _first_json_value(whole[:whole.rindex(RESULT_CLOSE)]), None
+            except (ValueError, json.JSONDecodeError):
+                pass
         return None, f"invalid JSON in <execution_result>: {exc}"

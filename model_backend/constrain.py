@@ -68,11 +68,14 @@ quarter of the budget where that is less: a 26-token budget keeps 20 tokens for 
 _CLOSERS = frozenset('"}]')
 
 
-@functools.lru_cache(maxsize=8)
-def _closing_tokens(tokenizer: Any) -> torch.Tensor:
-    """A bool mask [len(tokenizer)] of the tokens made only of `"`, `}` and `]`: what closes a JSON value."""
+@functools.lru_cache(maxsize=16)
+def _closing_tokens(tokenizer: Any, in_string: bool = False) -> torch.Tensor:
+    """A bool mask [len(tokenizer)] of the tokens made only of `"`, `}` and `]`: what closes a JSON value. Inside
+    a string only those starting with `"` (there `}` and `]` are text: a row closing "..."}}}}" wrote them
+    into the string until its budget ran out, 80 times in one rehearsal)."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return torch.tensor([bool(t) and set(t) <= _CLOSERS for t in tokens], dtype=torch.bool)
+    return torch.tensor([bool(t) and set(t) <= _CLOSERS and (not in_string or t.startswith('"')) for t in tokens],
+                        dtype=torch.bool)
 
 
 class RowMatcher:
@@ -103,7 +106,7 @@ class RowMatcher:
         shifts = torch.arange(32, dtype=torch.int32)
         mask = ((bits[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
         if self.close_strings and self._closing():
-            closers = _closing_tokens(self._tokenizer)
+            closers = _closing_tokens(self._tokenizer, open_string(self._text) is not None)
             width = min(vocab_size, closers.shape[0])
             closing = mask.clone()
             closing[:width] &= closers[:width]

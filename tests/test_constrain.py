@@ -536,3 +536,34 @@ def test_a_stop_string_inside_a_constrained_value_does_not_end_the_row(tokenizer
     assert _cut_at_stop(text, (RESULT_CLOSE,), constrained=True) == inside + rest
     assert json.loads(_cut_at_stop(text, (RESULT_CLOSE,), constrained=True).removesuffix(RESULT_CLOSE)) == \
         {"note": "x" + RESULT_CLOSE}
+
+
+def test_closing_inside_a_string_closes_the_string_first(tokenizer) -> None:
+    """Near the budget a Rehearse row may write only closing tokens; inside a string those must start with `"`
+    (a `}` there is text, and a row once wrote `}` until its budget ran out, leaving the string open)."""
+    from app.formats import rehearse_constraint
+    from model_backend.constrain import RowMatcher
+
+    matcher = RowMatcher(tokenizer, rehearse_constraint(None))
+    for t in tokenizer.encode('{"data": {"k": "text', add_special_tokens=False):
+        assert matcher.consume(t)
+    matcher.budget = matcher.consumed + 2  # inside the closing margin
+    allowed = matcher.allowed(len(tokenizer))
+    texts = tokenizer.convert_ids_to_tokens(allowed.nonzero().flatten().tolist())
+    assert texts and all(t.startswith('"') and set(t) <= set('"}]') for t in texts), texts[:10]
+    assert matcher.consume(tokenizer.convert_tokens_to_ids('"'))
+    outside = tokenizer.convert_ids_to_tokens(matcher.allowed(len(tokenizer)).nonzero().flatten().tolist())
+    assert any(t.startswith("}") for t in outside)  # outside a string, `}` closes the objects
+    assert all(set(t) <= set('"}]') for t in outside)
+
+
+@pytest.mark.parametrize("text, value", [
+    ('{"note": "x</execution_result>"}</execution_result>', {"note": "x</execution_result>"}),
+    ('{"a": 1}</execution_result>', {"a": 1}),
+    ('{"a": "open</execution_result>', None),  # still an open string: invalid, as before
+])
+def test_a_prediction_quoting_the_close_tag_parses_whole(text, value) -> None:
+    from app.formats import parse_result
+
+    parsed, error = parse_result(text)
+    assert parsed == value and (error is None) == (value is not None)
