@@ -105,13 +105,13 @@ def _open_store(db: str | None, must_exist: bool) -> Any:
         raise UserError(str(exc)) from None
 
 
-def cmd_export_episodes(args: argparse.Namespace, out: Path) -> int:
+def _export_with(write: Any, what: str, args: argparse.Namespace, out: Path) -> int:
+    """Run an exporter `write(store, out, episode_ids) -> n` with the CLI's error handling; no file for no episodes."""
     from app.store import StoreError
-    from app.trace_io import export_episodes
 
     store = _open_store(args.db, must_exist=True)
     try:
-        n = export_episodes(store, out, args.episodes)
+        n = write(store, out, args.episodes)
     except StoreError as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
@@ -119,26 +119,20 @@ def cmd_export_episodes(args: argparse.Namespace, out: Path) -> int:
     if n == 0:
         out.unlink(missing_ok=True)
         raise UserError(f"no episodes in {store.path}")
-    print(f"wrote {n} episodes to {out}")
+    print(f"wrote {n} {what} to {out}")
     return 0
+
+
+def cmd_export_episodes(args: argparse.Namespace, out: Path) -> int:
+    from app.trace_io import export_episodes
+
+    return _export_with(export_episodes, "episodes", args, out)
 
 
 def cmd_export_otlp(args: argparse.Namespace, out: Path) -> int:
-    from app.store import StoreError
     from app.trace_io import export_otlp
 
-    store = _open_store(args.db, must_exist=True)
-    try:
-        n = export_otlp(store, out, args.episodes)
-    except StoreError as exc:
-        raise UserError(str(exc)) from None
-    except OSError as exc:
-        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
-    if n == 0:
-        out.unlink(missing_ok=True)
-        raise UserError(f"no episodes in {store.path}")
-    print(f"wrote {n} traces (OTLP/JSON) to {out}")
-    return 0
+    return _export_with(export_otlp, "traces (OTLP/JSON)", args, out)
 
 
 def cmd_import(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import copy
 from collections import defaultdict, deque
 from typing import Any
 
-from app.envs.base import Task, Tool, ToolResult, TurnCheck
+from app.envs.base import Task, Tool, ToolResult, ToolTable, TurnCheck
 from app.records import TRACE_PREFIX, Call, Episode
 
 RECORDED_CLASS = "RecordedTrace"
@@ -21,8 +21,9 @@ FORK_REFUSED = ("a recorded trace cannot fork: an alternative call has no record
                 "real call per step)")
 
 
-class RecordedEnvironment:
-    """The Environment protocol over a trace's recorded (call, response) pairs."""
+class RecordedEnvironment(ToolTable):
+    """The Environment protocol over a trace's recorded (call, response) pairs (tools, `get_tool`, `param_names`,
+    `set_turn`: `ToolTable`)."""
 
     forkable = False
 
@@ -47,19 +48,6 @@ class RecordedEnvironment:
                       env_class=RECORDED_CLASS) for t in cfg.get("tools", [])]
         recorded = [(Call.model_validate(c), r, e) for c, r, e in cfg.get("recorded", [])]
         return cls(tools, recorded)
-
-    def set_turn(self, turn: int) -> None:
-        self.turn = turn
-
-    def tools(self) -> list[Tool]:
-        return list(self._tools.values())
-
-    def get_tool(self, name: str) -> Tool | None:
-        return self._tools.get(name)
-
-    def param_names(self, tool_name: str) -> list[str]:
-        tool = self._tools.get(tool_name)
-        return list(tool.parameters.get("properties", {})) if tool else []
 
     def call(self, name: str, args: dict[str, Any]) -> ToolResult:
         call = Call(name=name, arguments=args if isinstance(args, dict) else {})

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from app.records import Annotation, Episode
 from app.store import Store
-from app.trace_io.imported import TraceFileError
+from app.trace_io.imported import TraceFileError, json_lines, read_bounded, size_text
 
 FORMAT = "envace-episode/1"
 MAX_IMPORT_BYTES = 64 * 2**20
@@ -85,13 +85,6 @@ def export_episodes(store: Store, out: str | os.PathLike[str], episode_ids: Iter
 # ---------------------------------------------------------------- import
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} bytes"
-
-
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
@@ -149,20 +142,10 @@ def _check_corrections(record: TraceRecord, line: int) -> None:
 def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
     """Validate a whole trace file; raises TraceFileError naming the first problem."""
     if len(data) > max_bytes:
-        raise TraceFileError(f"the file is {_size(len(data))}; the limit is {_size(max_bytes)}")
+        raise TraceFileError(f"the file is {size_text(len(data))}; the limit is {size_text(max_bytes)}")
     records: list[TraceRecord] = []
     seen: set[str] = set()
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
-        if len(raw) > MAX_LINE_BYTES:
-            raise TraceFileError(f"line {line_no}: {_size(len(raw))} is over the {_size(MAX_LINE_BYTES)} limit of one episode")
-        if not raw.strip():
-            continue
-        try:
-            value = json.loads(raw)
-        except UnicodeDecodeError:
-            raise TraceFileError(f"line {line_no}: not UTF-8 text") from None
-        except json.JSONDecodeError as exc:
-            raise TraceFileError(f"line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
+    for line_no, value in json_lines(data, MAX_LINE_BYTES, unit="episode"):
         if not isinstance(value, dict) or value.get("format") != FORMAT:
             raise TraceFileError(f"line {line_no}: not an EnvACE episode record (expected \"format\": \"{FORMAT}\"; "
                                  "TRL rows from `export --format trl` are for training, not for import)")
@@ -183,13 +166,7 @@ def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRe
 
 def read_trace_file(path: str | os.PathLike[str], max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
     """`parse_traces` on a file, refusing an oversized one before reading it."""
-    p = Path(path)
-    if not p.is_file():
-        raise TraceFileError("no such file")
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise TraceFileError(f"the file is {_size(size)}; the limit is {_size(max_bytes)}")
-    return parse_traces(p.read_bytes(), max_bytes)
+    return parse_traces(read_bounded(path, max_bytes), max_bytes)
 
 
 FOREIGN_FORMATS: tuple[str, ...] = ("openai", "otlp")
@@ -203,7 +180,7 @@ def parse_foreign(data: bytes, fmt: str, file: str = "", max_bytes: int = MAX_IM
     from app.trace_io.otlp import parse_otlp
 
     if len(data) > max_bytes:
-        raise TraceFileError(f"the file is {_size(len(data))}; the limit is {_size(max_bytes)}")
+        raise TraceFileError(f"the file is {size_text(len(data))}; the limit is {size_text(max_bytes)}")
     if fmt not in FOREIGN_FORMATS:
         raise TraceFileError(f"unknown format {fmt!r}; known: {', '.join(FOREIGN_FORMATS)}")
     episodes = parse_openai(data, file) if fmt == "openai" else parse_otlp(data, file)
@@ -220,13 +197,7 @@ def parse_foreign(data: bytes, fmt: str, file: str = "", max_bytes: int = MAX_IM
 
 def read_foreign(path: str | os.PathLike[str], fmt: str, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRecord]:
     """`parse_foreign` on a file, refusing an oversized one before reading it."""
-    p = Path(path)
-    if not p.is_file():
-        raise TraceFileError("no such file")
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise TraceFileError(f"the file is {_size(size)}; the limit is {_size(max_bytes)}")
-    return parse_foreign(p.read_bytes(), fmt, p.name, max_bytes)
+    return parse_foreign(read_bounded(path, max_bytes), fmt, Path(path).name, max_bytes)
 
 
 def export_otlp(store: Store, out: str | os.PathLike[str], episode_ids: Iterable[str] | None = None) -> int:

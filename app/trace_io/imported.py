@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from app.formats import call_text, canonical_json
 from app.records import (TRACE_PREFIX, Branch, Call, Episode, RunSettings, Step, TraceFormat, TraceSource, TraceTool,
@@ -27,6 +29,47 @@ IMPORT_SETTINGS = RunSettings(mode="none", branches=1, shadow=False, constrain=F
 
 class TraceFileError(ValueError):
     """A trace file that cannot be imported; the message names the line (or span) and the problem."""
+
+
+def size_text(n: int) -> str:
+    """A byte count as people read it (`3.2 MiB`)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
+
+
+def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """A trace file's bytes, refusing a missing or oversized file before reading it."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceFileError("no such file")
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise TraceFileError(f"the file is {size_text(size)}; the limit is {size_text(max_bytes)}")
+    return p.read_bytes()
+
+
+def json_error(where: str, exc: json.JSONDecodeError) -> TraceFileError:
+    return TraceFileError(f"{where}: not JSON at column {exc.colno} ({exc.msg.removesuffix(' at').lower()})")
+
+
+def json_lines(data: bytes, max_line: int | None = None, unit: str = "line") -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSONL file; TraceFileError names the first line that is
+    over `max_line` bytes, not UTF-8 or not JSON."""
+    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+        if max_line is not None and len(raw) > max_line:
+            raise TraceFileError(f"line {line_no}: {size_text(len(raw))} is over the {size_text(max_line)} limit "
+                                 f"of one {unit}")
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except UnicodeDecodeError:
+            raise TraceFileError(f"line {line_no}: not UTF-8 text") from None
+        except json.JSONDecodeError as exc:
+            raise json_error(f"line {line_no}", exc) from None
+        yield line_no, value
 
 
 def response_value(value: Any) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from app.records import Episode
-from app.trace_io.imported import TraceBuilder, TraceFileError, content_key, tool_from_definition
+from app.trace_io.imported import TraceBuilder, TraceFileError, content_key, json_lines, tool_from_definition
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -90,15 +90,7 @@ def _record(value: Any, where: str, file: str) -> Episode:
 def parse_openai(data: bytes, file: str = "") -> list[Episode]:
     """Every transcript of a chat JSONL file as an Episode; TraceFileError names the first bad line."""
     episodes: list[Episode] = []
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            value = json.loads(raw)
-        except UnicodeDecodeError:
-            raise TraceFileError(f"line {line_no}: not UTF-8 text") from None
-        except json.JSONDecodeError as exc:
-            raise TraceFileError(f"line {line_no}: not JSON at column {exc.colno} ({exc.msg.removesuffix(' at').lower()})") from None
+    for line_no, value in json_lines(data):
         episodes.append(_record(value, f"line {line_no}", Path(file).name))
     return episodes
 

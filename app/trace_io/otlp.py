@@ -35,7 +35,8 @@ from typing import Any, Iterable
 
 from app.formats import canonical_json
 from app.records import Episode, Metrics, TraceTool
-from app.trace_io.imported import TraceBuilder, TraceFileError, content_key, response_value, tool_from_definition
+from app.trace_io.imported import (TraceBuilder, TraceFileError, content_key, json_error, response_value,
+                                   tool_from_definition)
 
 UNPARSED_CALL = "(unparsed call)"
 """`gen_ai.tool.name` of an exported step whose call did not parse (its text is in `envace.step.action_text`)."""
@@ -133,7 +134,7 @@ def _parse_lines(data: bytes) -> list[SpanView]:
         try:
             value = json.loads(chunk)
         except json.JSONDecodeError as exc:
-            raise TraceFileError(f"line {line_no}: not JSON at column {exc.colno} ({exc.msg.removesuffix(' at').lower()})") from None
+            raise json_error(f"line {line_no}", exc) from None
         if not isinstance(value, dict) or not any(k in value for k in ("resourceSpans", "resource_spans")):
             raise TraceFileError(f"line {line_no}: not an OTLP trace export (expected an object with \"resourceSpans\")")
         try:
