@@ -118,3 +118,36 @@ def mock_episode(settings: "RunSettings | None" = None, store: "Store | None" = 
     if recorder:
         recorder.flush(runner.episode)
     return task, policy, runner.episode
+
+
+class AheadPolicy(ScriptedPolicy):
+    """Keeps what it computes ahead, as TransformersPolicy does: Step then takes it without computing again.
+    `work()` stands for the model's compute, ahead or at Step (a fake clock's advance, or real seconds)."""
+
+    can_compute_ahead = True
+
+    def __init__(self, work: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.work, self.ahead, self.kept = work, False, {}
+
+    def computing_ahead(self, stop: Callable[[], bool] = lambda: False) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def on() -> Any:
+            self.ahead = True
+            try:
+                yield
+            finally:
+                self.ahead = False
+        return on()
+
+    def act(self, prompt: Prompt, k: int, config: GenerationConfig) -> list[Generation]:
+        key = json.dumps([prompt.messages, prompt.prefill, k])
+        if key in self.kept:
+            return self.kept.pop(key) if not self.ahead else self.kept[key]
+        self.work()
+        out = super().act(prompt, k, config)
+        if self.ahead:
+            self.kept[key] = out
+        return out

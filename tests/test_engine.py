@@ -8,7 +8,7 @@ from app.engine import EpisodeRunner, episode_json
 from app.engine.runner import NOT_EXECUTED_CANNOT_FORK, NOT_EXECUTED_SHADOW_OFF
 from app.records import RunSettings
 from app.store import Recorder, Store
-from scripted import ScriptedPolicy
+from scripted import AheadPolicy, ScriptedPolicy
 
 
 def call(name: str, **arguments) -> str:
@@ -521,42 +521,12 @@ def test_a_typed_turn_reopens_a_finished_episode_and_clears_its_end_reason():
 # ---------------------------------------------------------------- what a step computed ahead took
 
 
-class AheadPolicy(ScriptedPolicy):
-    """Keeps what it computes ahead (as TransformersPolicy does) and advances a fake clock while it computes, so
-    that the seconds the runner measures are exact."""
-
-    can_compute_ahead = True
-
-    def __init__(self, clock, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.clock, self.ahead, self.kept = clock, False, {}
-
-    def computing_ahead(self, stop):
-        import contextlib
-
-        @contextlib.contextmanager
-        def on():
-            self.ahead = True
-            try:
-                yield
-            finally:
-                self.ahead = False
-        return on()
-
-    def act(self, prompt, k, config):
-        key = json.dumps(prompt.messages)
-        if key in self.kept:
-            return self.kept.pop(key) if not self.ahead else self.kept[key]
-        self.clock.now += 2.5  # the model's work, ahead or at Step
-        out = super().act(prompt, k, config)
-        if self.ahead:
-            self.kept[key] = out
-        return out
-
-
 class FakeClock:
     def __init__(self):
         self.now = 100.0
+
+    def work(self) -> None:
+        self.now += 2.5  # the model's work, ahead or at Step
 
     def perf_counter(self):
         return self.now
@@ -569,7 +539,7 @@ def test_a_step_computed_ahead_carries_what_its_compute_took(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(runner_module, "time", clock)
     task = envs.load_task("mock:kv")
-    policy = AheadPolicy(clock, [[call("set", key="color", value="blue")], [call("list_keys")], ["Done."]])
+    policy = AheadPolicy(clock.work, [[call("set", key="color", value="blue")], [call("list_keys")], ["Done."]])
     r = EpisodeRunner(task, policy, RunSettings(mode="none", branches=1))
     first = r.step()  # computed at Step
     assert (first.duration_s, first.ahead_s, first.compute_s) == (2.5, 0.0, 2.5)
@@ -588,7 +558,7 @@ def test_work_ahead_for_a_turn_the_person_then_retyped_is_not_counted(monkeypatc
     clock = FakeClock()
     monkeypatch.setattr(runner_module, "time", clock)
     task = envs.load_task("mock:kv")
-    r = EpisodeRunner(task, AheadPolicy(clock, [["Sure."], ["Fine."]]), RunSettings(mode="none", branches=1),
+    r = EpisodeRunner(task, AheadPolicy(clock.work, [["Sure."], ["Fine."]]), RunSettings(mode="none", branches=1),
                       judge=UnjudgedJudge("x"))
     r.step()  # turn 1 answered
     assert r.compute_ahead() is True  # turn 2 (the scripted one) computed ahead

@@ -4,8 +4,6 @@ says in its header what its compute took, not the "0.0 s" Step itself took. The 
 for the test, so the page is read while it loads."""
 from __future__ import annotations
 
-import contextlib
-import json
 import threading
 import time
 
@@ -16,43 +14,13 @@ from app.service.session import LOAD_SLOW_S
 from app.ui import build_demo
 from app.ui import constants as C
 from browser import launch
-from scripted import ScriptedPolicy
+from scripted import AheadPolicy
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 TIMEOUT_MS = 120_000
 WORK_S = 0.4
 """What the scripted model's act takes, ahead or at Step (a stand-in for the model's compute, not a wait)."""
-
-
-class AheadPolicy(ScriptedPolicy):
-    """Keeps what it computes ahead, as TransformersPolicy does: Step then takes it without computing again."""
-
-    can_compute_ahead = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ahead, self.kept = False, {}
-
-    def computing_ahead(self, stop=lambda: False):
-        @contextlib.contextmanager
-        def on():
-            self.ahead = True
-            try:
-                yield
-            finally:
-                self.ahead = False
-        return on()
-
-    def act(self, prompt, k, config):
-        key = json.dumps([prompt.messages, prompt.prefill, k])
-        if key in self.kept:
-            return self.kept.pop(key) if not self.ahead else self.kept[key]
-        time.sleep(WORK_S)  # the model's compute
-        out = super().act(prompt, k, config)
-        if self.ahead:
-            self.kept[key] = out
-        return out
 
 
 VISIBLE_WITH = """text => [...document.querySelectorAll('body *')].filter(el =>
@@ -68,7 +36,7 @@ def test_one_loading_indicator_and_a_step_computed_ahead_says_what_it_took(tmp_p
 
     def loader(model: str, adapter: str | None) -> AheadPolicy:
         release.wait(TIMEOUT_MS / 1000)  # the load lasts until the test has read the page
-        return AheadPolicy([["Stored it."], ["Done: the colour is blue."]])
+        return AheadPolicy(lambda: time.sleep(WORK_S), [["Stored it."], ["Done: the colour is blue."]])
 
     demo = build_demo(db_path=str(tmp_path / "first.db"), policy_loader=loader)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)

@@ -158,18 +158,22 @@ class TracesCallbacks:
         return message_html(f"Imported {len(result.imported)} episode(s) with {result.annotations} "
                             f"annotation(s){skipped}.")
 
-    def export_listed(self, table: Any) -> tuple[Any, str]:
-        """The episodes listed in the table (with their annotations) as one JSONL file to download."""
+    def _export_listed(self, table: Any, write: Any, file_name: str, done: str) -> tuple[Any, str]:
+        """The episodes listed in the table, oldest first as the CLI writes them, through `write(store, out, ids)`."""
         values = table.values.tolist() if hasattr(table, "values") else (table or [])
         ids = [row[0] for row in values if row and row[0]]
         if not ids:
             return None, message_html("No episodes listed: search first, then export.", "error")
-        out = Path(tempfile.mkdtemp(prefix="envace-export-")) / "episodes.jsonl"
+        out = Path(tempfile.mkdtemp(prefix="envace-export-")) / file_name
         try:
-            n = export_episodes(self.services.store, out, reversed(ids))  # oldest first, as the CLI writes
+            n = write(self.services.store, out, reversed(ids))
         except StoreError as exc:
             return None, message_html(str(exc), "error")
-        return str(out), message_html(f"Exported {n} episode(s).")
+        return str(out), message_html(done.format(n=n))
+
+    def export_listed(self, table: Any) -> tuple[Any, str]:
+        """The episodes listed in the table (with their annotations) as one JSONL file to download."""
+        return self._export_listed(table, export_episodes, "episodes.jsonl", "Exported {n} episode(s).")
 
     # ------------------------------------------------------------ another agent's traces (issue 37, parts 1 and 6)
 
@@ -193,16 +197,8 @@ class TracesCallbacks:
 
     def export_listed_otlp(self, table: Any) -> tuple[Any, str]:
         """The episodes listed in the table as OTLP/JSON (one trace per episode, rehearsals as span attributes)."""
-        values = table.values.tolist() if hasattr(table, "values") else (table or [])
-        ids = [row[0] for row in values if row and row[0]]
-        if not ids:
-            return None, message_html("No episodes listed: search first, then export.", "error")
-        out = Path(tempfile.mkdtemp(prefix="envace-otlp-")) / "traces.otlp.jsonl"
-        try:
-            n = export_otlp(self.services.store, out, reversed(ids))
-        except StoreError as exc:
-            return None, message_html(str(exc), "error")
-        return str(out), message_html(f"Exported {n} episode(s) as OTLP/JSON traces.")
+        return self._export_listed(table, export_otlp, "traces.otlp.jsonl",
+                                   "Exported {n} episode(s) as OTLP/JSON traces.")
 
 # ---------------------------------------------------------------- rehearse with a model / compare world models
 # (issue 37: kept apart from the callbacks above; the service does the work: app.service.rehearsal,
