@@ -428,7 +428,7 @@ class EpisodeRunner:
         for fork in ctx.forks.values():  # an MCP fork holds a server process: end it with the step
             if hasattr(fork, "close"):
                 fork.close()
-        self._measure(ctx)
+        self.measure(ctx)
         return Step(index=ctx.index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
                     state_after=self.env.state(), rehearsals=ctx.rehearsals,
@@ -488,7 +488,7 @@ class EpisodeRunner:
         self.history += committed_messages(branch, self.turn)
         return external
 
-    def _measure(self, ctx: StepContext) -> None:
+    def measure(self, ctx: StepContext) -> None:
         """Divergence metrics, with `surprise` from one batched scoring pass."""
         measured = [b for b in ctx.branches if b.predicted_text is not None and b.actual_source is not None
                     and b.index in ctx.rehearse_prompts]

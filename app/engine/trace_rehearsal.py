@@ -24,7 +24,7 @@ from typing import Any, Callable
 from app.engine.context import StepContext
 from app.engine.memory import observed
 from app.engine.runner import EpisodeRunner
-from app.engine.world_model import ConversationEnv, _NoJudge
+from app.engine.world_model import ConversationEnv, NoJudge
 from app.envs.base import Task
 from app.formats import branch_key, canonical_json
 from app.records import Episode, Metrics, RunSettings, Step, Transition, TransitionSource, utcnow
@@ -79,7 +79,7 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
                       turn_results=[t.model_copy(deep=True) for t in source.turn_results],
                       trace=source.trace.model_copy(deep=True) if source.trace is not None else None)
     runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, env=ConversationEnv([]),
-                           judge=_NoJudge(), episode_id=episode.id)
+                           judge=NoJudge(), episode_id=episode.id)
     for view in replay(source, task, env):
         recorded = view.step.chosen_branch.model_copy(deep=True, update={
             "index": 0, "chosen": True, "predicted_text": None, "predicted": None, "metrics": Metrics(),
@@ -101,7 +101,7 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
                         b.not_executed = NOT_EXECUTED_RECORDED
                 ctx.branches += fresh
                 runner.rehearse(ctx, fresh)
-            runner._measure(ctx)  # the recorded branch only: the alternatives have no actual response
+            runner.measure(ctx)  # the recorded branch only: the alternatives have no actual response
             step.branches, step.rehearsals = ctx.branches, ctx.rehearsals
             step.duration_s = round(time.perf_counter() - started, 3)
             if on_call is not None:

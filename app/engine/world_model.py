@@ -99,7 +99,9 @@ class ConversationEnv:
         return {}
 
 
-class _NoJudge:
+class NoJudge:
+    """The judge of a step run outside any task (the world model endpoint, an offline rehearsal): judges nothing."""
+
     def check_turn(self, turn_index: int, env: Any, executed: list) -> TurnCheck:
         return TurnCheck(success=False, details={"judged": False})
 
@@ -227,7 +229,7 @@ class WorldModel:
     def _step(self, tools: list[Tool], history: list[HistoryItem], k: int) -> StepContext:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", **self.base)
         task = Task(id=CONVERSATION_TASK_ID, category="conversation", turns=[[]], env_classes=[])
-        runner = EpisodeRunner(task, self.policy, settings, env=ConversationEnv(tools), judge=_NoJudge(),
+        runner = EpisodeRunner(task, self.policy, settings, env=ConversationEnv(tools), judge=NoJudge(),
                                memory=self.memory)
         runner.history = list(history)
         return StepContext(runner=runner, index=0, tools_list=tools, state_before={})
