@@ -18,7 +18,7 @@ import pytest
 from app import envs
 from app.engine import EpisodeRunner
 from app.engine.runner import NOT_EXECUTED_CANNOT_FORK
-from app.envs.base import Task, TurnCheck
+from app.envs.base import Judge, Task, TurnCheck
 from app.envs.mcp import TEXT_RESPONSE, MCPEnvironment, MCPServerConfig, MCPStartError
 from app.envs.mcp_state import git
 from app.records import RunSettings
@@ -246,7 +246,7 @@ def http_server():
     proc.wait(10)
 
 
-class _Unjudged:
+class _Unjudged(Judge):
     def check_turn(self, turn_index, env, executed):
         return TurnCheck(success=False, details={"judged": False})
 

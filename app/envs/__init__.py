@@ -8,9 +8,9 @@ expands a group name to its task ids (None for a single id).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from app.envs.base import Environment, Task
+from app.envs.base import Environment, Judge, Task
 from app.envs.bfcl import BFCLEnvironment
 from app.envs.bfcl import make_env as make_bfcl_env
 from app.envs.bfcl_check import BFCLJudge, ReplayJudge, replay_ground_truth
@@ -76,7 +76,7 @@ class Suite:
     list_tasks: Callable[[str | None, str | None], list[str]]
     """(category, split) -> task ids."""
     make_env: Callable[[Task], Environment]
-    make_judge: Callable[[Task], Any]
+    make_judge: Callable[[Task], Judge]
     tool_names: Callable[[Task], tuple[str, ...]]
     """The names of the tools a task's agent may call, without starting anything."""
 
@@ -129,7 +129,7 @@ def make_env(task: Task) -> Environment:
     return _suite(task.id).make_env(task)
 
 
-def make_judge(task: Task) -> ReplayJudge | Tau2Judge | mcp_tasks.MCPJudge | RecordedJudge | MockJudge:
+def make_judge(task: Task) -> Judge:
     """A fresh per-episode judge for the task (`check_turn(turn_index, env, executed)`)."""
     return _suite(task.id).make_judge(task)
 
@@ -159,6 +159,7 @@ __all__ = [
     "BFCLJudge",
     "CATEGORIES",
     "Environment",
+    "Judge",
     "MCPEnvironment",
     "MCPServerConfig",
     "MCPStartError",

@@ -48,13 +48,20 @@ class ToolResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    """A stateful set of tools. One instance per episode; `fork()` for shadow execution."""
+    """A stateful set of tools. One instance per episode; `fork()` for shadow execution.
 
-    forkable: bool
+    Every capability the engine uses is declared here, with a default where an environment may
+    lack it: an environment class subclasses `Environment` (or `ToolTable`, which does) and
+    overrides what it has, so no caller probes for an attribute."""
+
+    forkable: bool = False
     """True when `fork()` copies the whole state (in memory), so any call, writes included, may
     run on a fork without touching this environment. False when a fork shares a real backend
-    (a remote API, a database): only read-only tools may run on it. An environment without
-    the attribute counts as False."""
+    (a remote API, a database): only read-only tools may run on it."""
+
+    fork_refusal: str | None = None
+    """Why a call that is not read-only does not run on a fork of this environment (shown on the
+    branch), when `forkable` is False; None: the engine's general wording."""
 
     def tools(self) -> list[Tool]:
         """The tools the agent may call now."""
@@ -70,6 +77,39 @@ class Environment(Protocol):
 
     def state(self) -> dict[str, Any]:
         """Public state (JSON-able), for diffs and success checks."""
+        ...
+
+    def set_turn(self, turn: int) -> None:
+        """Enter user turn `turn` (BFCL's miss_func tasks add a tool at a later turn); by default the
+        tools stay the same."""
+
+    def param_names(self, tool_name: str) -> list[str]:
+        """Parameter names of `tool_name` in its documented order (to read positional arguments of a
+        ground-truth call string); [] for a tool the environment does not have."""
+        tool = next((t for t in self.tools() if t.name == tool_name), None)
+        return list(tool.parameters.get("properties", {})) if tool else []
+
+    def close(self) -> None:
+        """Release what the environment holds (an MCP server process); by default nothing. Safe to
+        call twice."""
+
+
+Executed = list[tuple[str, dict[str, Any], Any]]
+"""The calls committed in a turn, in order: (tool name, arguments, output)."""
+
+
+@runtime_checkable
+class Judge(Protocol):
+    """Checks the agent's work at the end of each user turn (`check_turn`), against the task's ground
+    truth, state checks or nothing at all (an unjudged instruction)."""
+
+    judges_whole_episode: bool = False
+    """True when a turn's verdict covers every turn before it (tau2 judges the final state of the
+    whole conversation): the last verdict is the episode's, and a person may add user turns after
+    the scripted ones. False: each turn is judged against its own ground truth (BFCL)."""
+
+    def check_turn(self, turn_index: int, env: Environment, executed: Executed) -> TurnCheck:
+        """The verdict on turn `turn_index`, given the environment after it and the calls it committed."""
         ...
 
 
@@ -110,7 +150,7 @@ class Task:
 # ---------------------------------------------------------------- shared by the environments
 
 
-class ToolTable:
+class ToolTable(Environment):
     """`tools()`, `get_tool`, `param_names` and `set_turn` over a fixed `self._tools` (name -> Tool),
     for environments whose tools do not change with the turn (BFCL's miss_func ones do)."""
 

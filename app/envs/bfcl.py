@@ -21,7 +21,7 @@ from typing import Any
 
 import jsonschema
 
-from app.envs.base import Task, Tool, ToolResult, argument_problems, without_null_optionals
+from app.envs.base import Environment, Task, Tool, ToolResult, argument_problems, without_null_optionals
 from app.envs.bfcl_tasks import CLASS_SOURCES, class_tools
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _validator(class_name: str, tool_name: str) -> jsonschema.protocols.Validato
     return jsonschema.Draft7Validator(schema)
 
 
-class BFCLEnvironment:
+class BFCLEnvironment(Environment):
     """The tools of a task's BFCL classes, with fresh instances loaded from its initial config.
 
     Tools hidden by `excluded_functions`, and `missed_functions` before their turn, are

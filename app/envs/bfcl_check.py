@@ -17,13 +17,12 @@ from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import (
     _is_subsequence_unordered,
 )
 
-from app.envs.base import Task, ToolResult, TurnCheck
+from app.envs.base import Executed, Judge, Task, ToolResult, TurnCheck
 from app.envs.bfcl import BFCLEnvironment, to_jsonable
 from app.envs.bfcl_tasks import parse_call_string
 
 log = logging.getLogger(__name__)
 
-Executed = list[tuple[str, dict[str, Any], Any]]
 """The calls the model's environment executed in one turn: (name, args, ToolResult or output)."""
 
 
@@ -39,7 +38,7 @@ def canonical_result(result: Any) -> str:
     return json.dumps(to_jsonable(output), sort_keys=True, ensure_ascii=False)
 
 
-class ReplayJudge:
+class ReplayJudge(Judge):
     """Checks turns in order against its own gold environment; subclasses compare state."""
 
     def __init__(self, task: Task, gold_env: _GoldEnv) -> None:

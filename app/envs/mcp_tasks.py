@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from app.envs.base import Task, TurnCheck
+from app.envs.base import Judge, Task, TurnCheck
 from app.envs.bfcl_tasks import UnknownTaskError
 from app.envs.mcp import MCPEnvironment, MCPServerConfig
 from app.envs.mcp_state import git
@@ -320,7 +320,7 @@ def make_env(task: Task) -> MCPEnvironment:
         raise
 
 
-class MCPJudge:
+class MCPJudge(Judge):
     """Checks the task's state folder on its last turn; earlier turns are recorded as not judged."""
 
     def __init__(self, task: Task) -> None:
@@ -335,9 +335,9 @@ class MCPJudge:
         if turn_index < len(self.task.turns) - 1:
             return TurnCheck(success=True, details={**details, "judged": False,
                                                     "note": "MCP tasks are checked on their last turn"})
-        root = getattr(env, "state_dir", None)
-        if not isinstance(env, MCPEnvironment) or root is None:
+        if not isinstance(env, MCPEnvironment) or env.state_dir is None:
             raise TypeError(f"MCPJudge needs an MCPEnvironment with a state folder, got {type(env).__name__}")
+        root = env.state_dir
         results = []
         for check in self.checks:
             ok, got = check.run(root)

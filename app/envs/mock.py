@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 
-from app.envs.base import Task, Tool, ToolResult
+from app.envs.base import Environment, Task, Tool, ToolResult
 from app.envs.bfcl_check import ReplayJudge
 
 MOCK_TASK_ID = "mock:kv"
@@ -54,7 +54,7 @@ def _validator(tool_name: str) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator({**tool.parameters, "additionalProperties": False})
 
 
-class MockEnvironment:
+class MockEnvironment(Environment):
     """A key-value store behind the Environment protocol.
 
     `forkable=False` makes it stand in for an environment whose forks share a real backend

@@ -12,7 +12,7 @@ import copy
 from collections import defaultdict, deque
 from typing import Any
 
-from app.envs.base import Task, Tool, ToolResult, ToolTable, TurnCheck
+from app.envs.base import Judge, Task, Tool, ToolResult, ToolTable, TurnCheck
 from app.records import TRACE_PREFIX, Call, Episode
 
 RECORDED_CLASS = "RecordedTrace"
@@ -66,7 +66,7 @@ class RecordedEnvironment(ToolTable):
         return {RECORDED_CLASS: {"calls": len(self.calls)}}
 
 
-class RecordedJudge:
+class RecordedJudge(Judge):
     """An imported trace has no ground truth: its turns are recorded, never judged."""
 
     judges_whole_episode = True

@@ -19,20 +19,19 @@ import functools
 import logging
 from typing import Any
 
-from app.envs.base import Task, TurnCheck
+from app.envs.base import Executed, Judge, Task, TurnCheck
 from app.envs.tau2 import Tau2Environment
 from app.envs.tau2_tasks import new_domain_env, parse_task_id, tau2_module, tau2_task
 
 log = logging.getLogger(__name__)
 
-Executed = list[tuple[str, dict[str, Any], Any]]
 """The calls the model's environment executed in one turn: (name, args, ToolResult or output)."""
 
 NOT_CHECKED = ("COMMUNICATE", "NL_ASSERTION")
 """Reward bases that need the agent's text or an LLM judge: reported, never part of the verdict."""
 
 
-class Tau2Judge:
+class Tau2Judge(Judge):
     """tau2's DB comparison (and action check, where the task asks for it) for one task."""
 
     judges_whole_episode = True

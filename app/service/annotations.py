@@ -39,13 +39,10 @@ def episode_tools(episode: Episode, step_index: int) -> list[Tool]:
     except ValueError as exc:
         raise InputError(f"This step's tools cannot be rebuilt: {exc}.") from None
     try:
-        if hasattr(env, "set_turn"):
-            env.set_turn(episode.steps[step_index].turn)
+        env.set_turn(episode.steps[step_index].turn)
         return list(env.tools())
     finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            close()
+        env.close()
 
 
 INSTRUCTION_BRANCH_USE = ("A typed instruction has no expected result, so this branch is never judged. What a "

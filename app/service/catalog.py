@@ -15,7 +15,7 @@ from typing import Any
 
 from app import envs
 from app.config import DEFAULT_MODEL, ROOT
-from app.envs.base import Task, TurnCheck
+from app.envs.base import Environment, Judge, Task, TurnCheck
 from app.engine.history import with_typed_turns
 from app.envs import mcp_tasks
 from app.envs.bfcl_tasks import CLASS_SOURCES
@@ -99,7 +99,7 @@ class TaskCatalog:
         return [t.id for t in self.tasks.values() if env_class in t.env_classes]
 
 
-class UnjudgedJudge:
+class UnjudgedJudge(Judge):
     """The judge of a typed instruction: there is no ground truth, so turns are recorded, not judged."""
 
     judges_whole_episode = True
@@ -148,7 +148,7 @@ def episode_task(episode: Episode) -> Task:
     return dataclasses.replace(task, turns=turns) if typed else task
 
 
-def task_env(task: Task) -> Any:
+def task_env(task: Task) -> Environment:
     """A fresh environment of `task`: a typed BFCL instruction names its class, every other task (an MCP
     instruction too) its suite."""
     return envs.BFCLEnvironment.from_task(task) if task.id.startswith(INSTRUCTION_PREFIX) else envs.make_env(task)

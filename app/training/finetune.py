@@ -217,9 +217,7 @@ def build_rows(store: Store, selected: list[Selected], ctx: PromptContext, notes
         except CorrectionError as exc:
             raise FinetuneError(str(exc)) from None
         finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                close()
+            env.close()
     for note in notes[start:]:
         log.warning("left out of training: %s", note)
     return rows
