@@ -42,6 +42,14 @@ class Prompt:
     constraint: Constraint | None = None
     """What the generated text after the prefill may be (None: anything)."""
 
+    def render(self, tokenizer: Any, **template_kwargs: Any) -> str:
+        """The prompt as the model reads it: `tokenizer`'s chat template with a generation prompt, then the
+        prefill. The one render of a prompt: the local policy, training rows and a served model's completions
+        all read the same text (`template_kwargs`, e.g. `enable_thinking`, go to the template)."""
+        text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True,
+                                             **template_kwargs)
+        return str(text) + self.prefill
+
 
 @dataclass
 class Generation:

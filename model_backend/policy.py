@@ -136,8 +136,7 @@ class TransformersPolicy(Policy):
 
     def render(self, prompt: Prompt) -> str:
         """The prompt as the model reads it: chat template with a generation prompt, then the prefill."""
-        text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-        return str(text) + prompt.prefill
+        return prompt.render(self.tokenizer)
 
     def encode(self, prompt: Prompt) -> list[int]:
         # transformers 5 returns a BatchEncoding for tokenize=True, so render then encode.

@@ -344,9 +344,7 @@ class OpenAIPolicy(Policy):
 
     def render(self, prompt: Prompt) -> str:
         """The prompt as text (completions mode): the chat template with a generation prompt, then the prefill."""
-        text = self.tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True,
-                                                  **self._template_kwargs())
-        return str(text) + prompt.prefill
+        return prompt.render(self.tokenizer, **self._template_kwargs())
 
     def _template_kwargs(self) -> dict[str, Any]:
         return {} if self.options.thinking is None else {"enable_thinking": self.options.thinking}

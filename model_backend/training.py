@@ -174,12 +174,8 @@ ProgressCallback = Callable[[Progress], None]
 
 
 def render(tokenizer: Any, prompt: Prompt) -> str:
-    """The prompt as the policy renders it (chat template + generation prompt + prefill).
-
-    Must equal `TransformersPolicy.render`; tests/test_training.py checks that it does.
-    """
-    text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-    return str(text) + prompt.prefill
+    """The prompt as the policy renders it (`Prompt.render`, the one render)."""
+    return prompt.render(tokenizer)
 
 
 def end_of_turn_id(tokenizer: Any) -> int | None:
