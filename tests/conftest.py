@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -32,3 +34,23 @@ def pytest_collection_modifyitems(config, items) -> None:
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("engines")])
         items[:] = keep
+
+
+# ---------------------------------------------------------------- shared fixtures
+
+
+@pytest.fixture(scope="module")
+def base_policy():
+    """The embedded model without an adapter (loaded once per test module)."""
+    from model_backend import load_policy
+
+    return load_policy("embedded")
+
+
+@pytest.fixture(scope="module")
+def shipped_policy():
+    """The embedded model with the shipped LoRA adapter, as the app loads it by default (once per module)."""
+    from app.config import shipped_adapter
+    from model_backend import load_policy
+
+    return load_policy("embedded", adapter=shipped_adapter())

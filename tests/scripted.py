@@ -120,6 +120,20 @@ def mock_episode(settings: "RunSettings | None" = None, store: "Store | None" = 
     return task, policy, runner.episode
 
 
+
+def stored_mock_episode(path) -> tuple["Store", "ScriptedPolicy", "Episode"]:
+    """`mock_episode` recorded in a fresh store at `path`/t.db: (store, policy, episode)."""
+    from app.store import Store
+
+    store = Store(path / "t.db")
+    _, policy, ep = mock_episode(store=store)
+    return store, policy, ep
+
+
+def branch_ids(store: "Store", episode_id: str, kind: str = "call") -> list[int]:
+    """The stored ids of an episode's branches of one kind (`call`, `answer`, `parse_error`)."""
+    return [r["id"] for r in store.branch_rows(episode_id) if r["kind"] == kind]
+
 class AheadPolicy(ScriptedPolicy):
     """Keeps what it computes ahead, as TransformersPolicy does: Step then takes it without computing again.
     `work()` stands for the model's compute, ahead or at Step (a fake clock's advance, or real seconds)."""

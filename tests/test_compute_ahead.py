@@ -10,7 +10,7 @@ import pytest
 
 import model_backend.policy as policy_module
 from app import envs
-from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER
+from app.config import DEFAULT_RELEVANCE
 from app.engine import EpisodeRunner
 from app.envs.mock import MockEnvironment
 from app.records import RunSettings
@@ -18,18 +18,13 @@ from app.service.catalog import RunRequest
 from app.service.session import AheadStatus, RunSession, Services
 from app.ui import render
 from app.ui.run_callbacks import RunCallbacks, form_from_request
-from model_backend import GenerationConfig, Prompt, load_policy
+from model_backend import GenerationConfig, Prompt
 from model_backend.policy import TransformersPolicy
 
 pytestmark = pytest.mark.slow
 
 SETTINGS = RunSettings(mode="parallel", branches=3, selector="logprob", seed=0, shadow=True, max_steps_per_turn=2,
                        max_action_tokens=40, max_rehearsal_tokens=40, relevance=DEFAULT_RELEVANCE)
-
-
-@pytest.fixture(scope="module")
-def policy() -> Any:
-    return load_policy("embedded", adapter=SHIPPED_ADAPTER)
 
 
 @pytest.fixture
@@ -61,21 +56,21 @@ def snapshot(runner: EpisodeRunner) -> tuple:
             len(runner.episode.steps), runner.turn, runner._turn_open, list(runner.turn_executed), runner.done)
 
 
-def test_a_step_computed_ahead_is_the_step_computed_then(policy: Any, model_calls: dict[str, int]) -> None:
+def test_a_step_computed_ahead_is_the_step_computed_then(shipped_policy: Any, model_calls: dict[str, int]) -> None:
     """Three steps of a held-out task (K=3, tools ranked with the channel, a turn budget of two steps): the first
     opens turn 0, the second continues it, the third opens turn 1 (the budget closed turn 0). Each is computed
     ahead on runner B while runner A computes it when stepped: B's step makes no model call and takes the same
     decisions; computing ahead leaves B's episode, history and environment as they were."""
     task_id = envs.list_tasks("multi_turn_base", "heldout")[1]
-    plain = EpisodeRunner(envs.load_task(task_id), policy, SETTINGS)
-    ahead = EpisodeRunner(envs.load_task(task_id), policy, SETTINGS)
+    plain = EpisodeRunner(envs.load_task(task_id), shipped_policy, SETTINGS)
+    ahead = EpisodeRunner(envs.load_task(task_id), shipped_policy, SETTINGS)
     turns = []
     for _ in range(3):
-        policy.reset_cache()
-        policy.forget_scores(prompts=False)
+        shipped_policy.reset_cache()
+        shipped_policy.forget_scores(prompts=False)
         expected = plain.step()
-        policy.reset_cache()
-        policy.forget_scores(prompts=False)
+        shipped_policy.reset_cache()
+        shipped_policy.forget_scores(prompts=False)
         before = snapshot(ahead)
         model_calls.update(generate=0, score=0)
         assert ahead.compute_ahead() is True
@@ -92,49 +87,49 @@ def test_a_step_computed_ahead_is_the_step_computed_then(policy: Any, model_call
     assert ahead.history == plain.history and ahead.env.state() == plain.env.state()
 
 
-def test_results_computed_ahead_are_taken_once(policy: Any, model_calls: dict[str, int]) -> None:
+def test_results_computed_ahead_are_taken_once(shipped_policy: Any, model_calls: dict[str, int]) -> None:
     prompt = Prompt([{"role": "user", "content": "Name a colour."}])
     config = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=3)
-    with policy.computing_ahead():
-        ahead = [g.text for g in policy.act(prompt, 2, config)]
+    with shipped_policy.computing_ahead():
+        ahead = [g.text for g in shipped_policy.act(prompt, 2, config)]
     assert model_calls["generate"] == 1
-    assert [g.text for g in policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 1  # taken
-    assert [g.text for g in policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 2  # computed
+    assert [g.text for g in shipped_policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 1  # taken
+    assert [g.text for g in shipped_policy.act(prompt, 2, config)] == ahead and model_calls["generate"] == 2  # computed
     other = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=4)
-    with policy.computing_ahead():
-        policy.act(prompt, 2, other)
-    policy.act(prompt, 2, config)  # another seed is another batch: computed
+    with shipped_policy.computing_ahead():
+        shipped_policy.act(prompt, 2, other)
+    shipped_policy.act(prompt, 2, config)  # another seed is another batch: computed
     assert model_calls["generate"] == 4
-    policy.forget_scores(prompts=False)  # a benchmark's fresh start drops what was computed ahead
-    policy.act(prompt, 2, other)
+    shipped_policy.forget_scores(prompts=False)  # a benchmark's fresh start drops what was computed ahead
+    shipped_policy.act(prompt, 2, other)
     assert model_calls["generate"] == 5
 
 
-def test_computing_ahead_gives_way_and_refuses_what_cannot_pay(policy: Any, model_calls: dict[str, int]) -> None:
+def test_computing_ahead_gives_way_and_refuses_what_cannot_pay(shipped_policy: Any, model_calls: dict[str, int]) -> None:
     task = envs.load_task(envs.list_tasks("multi_turn_base", "heldout")[0])
-    runner = EpisodeRunner(task, policy, SETTINGS)
+    runner = EpisodeRunner(task, shipped_policy, SETTINGS)
     before = snapshot(runner)
     cancel = threading.Event()
     cancel.set()
     assert runner.compute_ahead(cancel) is False  # cancelled before its first model call
-    with policy._model():  # a step someone waits for holds the model: work ahead gives way at once
+    with shipped_policy._model():  # a step someone waits for holds the model: work ahead gives way at once
         assert runner.compute_ahead() is False
     assert model_calls == {"generate": 0, "score": 0} and snapshot(runner) == before
     # Forks that would reach a real backend, or a policy that keeps no results (weights in training): nothing.
-    assert EpisodeRunner(task, policy, SETTINGS, env=MockEnvironment(forkable=False)).compute_ahead() is False
-    training = TransformersPolicy(policy.loaded, prefix_cache_bytes=0, score_memo=0)
+    assert EpisodeRunner(task, shipped_policy, SETTINGS, env=MockEnvironment(forkable=False)).compute_ahead() is False
+    training = TransformersPolicy(shipped_policy.loaded, prefix_cache_bytes=0, score_memo=0)
     assert EpisodeRunner(task, training, SETTINGS).compute_ahead() is False
     assert model_calls == {"generate": 0, "score": 0}
     runner.stop()
     assert runner.compute_ahead() is False
 
 
-def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, model_calls: dict[str, int],
+def test_the_run_tab_computes_the_next_step_while_the_person_reads(shipped_policy: Any, model_calls: dict[str, int],
                                                                    tmp_path: Any) -> None:
     """The Run tab's Step (its callback, as Gradio drives it) starts the next step's computation once its
     last view is out; the next Step then makes no model call. Reset stops that and prepares the task's first
     step in a new episode, which Step then takes. Services with it off start nothing."""
-    services = Services(str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: policy, compute_ahead=True)
+    services = Services(str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: shipped_policy, compute_ahead=True)
     run = RunCallbacks(services)
     request = RunRequest(task_id=envs.list_tasks("multi_turn_base", "heldout")[2], model="embedded",
                          settings=SETTINGS)
@@ -170,7 +165,7 @@ def test_the_run_tab_computes_the_next_step_while_the_person_reads(policy: Any, 
     session.reset(services)
     assert not session.computing_ahead and session.runner is None
     assert session.ahead_status() == AheadStatus("none") and run.ahead_line(session) == ""
-    off = Services(str(tmp_path / "off.db"), policy_loader=lambda model, adapter: policy, compute_ahead=False)
+    off = Services(str(tmp_path / "off.db"), policy_loader=lambda model, adapter: shipped_policy, compute_ahead=False)
     session.prepare(off, request)
     assert not session.computing_ahead and session.runner is None
     session.step(off, request)
@@ -202,14 +197,14 @@ def test_a_failure_while_computing_ahead_is_logged_and_step_computes_the_step(
     assert session.step(services, request) is not None and len(session.episode.steps) == 2
 
 
-def test_work_ahead_scores_in_slices_and_gives_way_between_them(policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_work_ahead_scores_in_slices_and_gives_way_between_them(shipped_policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside `computing_ahead`, `score` takes the model for about `AHEAD_SCORE_TOKENS` tokens at a time: a step
     that arrives meanwhile waits for one slice, and the slices done stay kept for it."""
     from model_backend.base import AheadStopped
 
     prompts = [Prompt([{"role": "user", "content": f"Describe item {i} in one word."}]) for i in range(20)]
     continuations = ["Blue."] * 20
-    monkeypatch.setattr(policy_module, "AHEAD_SCORE_TOKENS", 5 * (len(policy.encode(prompts[0])) + 2))
+    monkeypatch.setattr(policy_module, "AHEAD_SCORE_TOKENS", 5 * (len(shipped_policy.encode(prompts[0])) + 2))
     rows: list[int] = []
     real = policy_module.score
     arrive = [True]
@@ -218,24 +213,24 @@ def test_work_ahead_scores_in_slices_and_gives_way_between_them(policy: Any, mon
         rows.append(len(prompt_ids))
         out = real(model, prompt_ids, *args, **kwargs)
         if arrive.pop() if arrive else False:
-            policy._demand += 1  # a step someone waits for arrives during the first slice
+            shipped_policy._demand += 1  # a step someone waits for arrives during the first slice
         return out
 
     monkeypatch.setattr(policy_module, "score", scoring)
-    policy.forget_scores(prompts=False)
-    with pytest.raises(AheadStopped), policy.computing_ahead():
-        policy.score(prompts, continuations)
+    shipped_policy.forget_scores(prompts=False)
+    with pytest.raises(AheadStopped), shipped_policy.computing_ahead():
+        shipped_policy.score(prompts, continuations)
     assert len(rows) == 1 and 3 <= rows[0] <= 6
-    policy._demand -= 1
-    kept = policy.score(prompts, continuations)  # the step: only the rows not scored ahead
+    shipped_policy._demand -= 1
+    kept = shipped_policy.score(prompts, continuations)  # the step: only the rows not scored ahead
     assert rows[1] == 20 - rows[0]
-    policy.forget_scores(prompts=False)
-    whole = policy.score(prompts, continuations)
+    shipped_policy.forget_scores(prompts=False)
+    whole = shipped_policy.score(prompts, continuations)
     assert rows[-1] == 20
     assert all(abs(a - b) < 1e-3 for x, y in zip(kept, whole) for a, b in zip(x, y))
     # Rows under one prompt count it once: the tool ranking's names after one long Act prompt are one slice.
     shared = [prompts[0]] * 30
     rows.clear()
-    with policy.computing_ahead():
-        policy.score(shared, [f"name{i}" for i in range(30)])
+    with shipped_policy.computing_ahead():
+        shipped_policy.score(shared, [f"name{i}" for i in range(30)])
     assert rows == [30]

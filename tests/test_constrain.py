@@ -14,7 +14,6 @@ import jsonschema
 import pytest
 
 from app import envs
-from app.config import SHIPPED_ADAPTER
 from app.envs.base import Tool
 from app.formats import (ACT_MAX_STRING, ACT_STOP, REHEARSE_STOP, TOOL_CALL_OPEN, HistoryItem, act_constraint, act_prompt,
                          call_text, grammar_schema, parse_action, parse_result, rehearse_constraint,
@@ -299,20 +298,13 @@ def test_a_rehearsal_string_that_loops_or_nears_the_budget_is_closed(tokenizer: 
 # ---------------------------------------------------------------- decoding with the shipped agent
 
 
-@pytest.fixture(scope="module")
-def policy() -> Any:
-    from model_backend import load_policy
-
-    return load_policy("embedded", adapter=SHIPPED_ADAPTER)
-
-
-def first_prompts(policy: Any, n: int, prefill: str = "") -> list[tuple[list[Tool], Prompt]]:
+def first_prompts(shipped_policy: Any, n: int, prefill: str = "") -> list[tuple[list[Tool], Prompt]]:
     out = []
     for task_id in HELDOUT[:n]:
         task = envs.load_task(task_id)
         tools = envs.make_env(task).tools()
         history = [HistoryItem(role="user", content=m["content"]) for m in task.turns[0]]
-        out.append((tools, act_prompt(tools, history, policy.count_tokens, policy.context_window,
+        out.append((tools, act_prompt(tools, history, shipped_policy.count_tokens, shipped_policy.context_window,
                                       prefill=prefill, constrain=True)))
     return out
 
@@ -327,16 +319,16 @@ def assert_valid_call(text: str, tools: list[Tool]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 7])
-def test_constrained_calls_parse_name_a_tool_and_validate(policy: Any, seed: int) -> None:
+def test_constrained_calls_parse_name_a_tool_and_validate(shipped_policy: Any, seed: int) -> None:
     config = GenerationConfig(max_new_tokens=96, temperature=1.0, seed=seed, stop=ACT_STOP)
-    for tools, prompt in first_prompts(policy, 3, prefill=TOOL_CALL_OPEN):
-        gens = policy.act(prompt, 3, config)
+    for tools, prompt in first_prompts(shipped_policy, 3, prefill=TOOL_CALL_OPEN):
+        gens = shipped_policy.act(prompt, 3, config)
         for gen in gens:
             if gen.finished:  # a row cut by the token budget is unfinished JSON, reported as such
                 assert_valid_call(gen.text, tools)
         assert gens[0].finished
-    for tools, prompt in first_prompts(policy, 2):  # tool_choice auto: a valid call or a plain answer
-        for gen in policy.act(prompt, 3, config):
+    for tools, prompt in first_prompts(shipped_policy, 2):  # tool_choice auto: a valid call or a plain answer
+        for gen in shipped_policy.act(prompt, 3, config):
             action = parse_action(gen.text)
             if action.kind != "answer" and gen.finished:
                 assert_valid_call(gen.text, tools)
@@ -344,34 +336,34 @@ def test_constrained_calls_parse_name_a_tool_and_validate(policy: Any, seed: int
 
 
 @pytest.mark.slow
-def test_constrained_rehearsals_are_json_of_the_response_schema(policy: Any) -> None:
+def test_constrained_rehearsals_are_json_of_the_response_schema(shipped_policy: Any) -> None:
     calls = expert_calls(HELDOUT[:2])[:6]
     prompts = [rehearse_prompt(next(t for t in tools if t.name == call.name), call, [], constrain=True)
                for tools, call, _ in calls]
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
-    for (tools, call, _), prompt, gen in zip(calls, prompts, policy.rehearse(prompts, config)):
+    for (tools, call, _), prompt, gen in zip(calls, prompts, shipped_policy.rehearse(prompts, config)):
         predicted, error = parse_result(gen.text)
         assert error is None, gen.text  # finished or not: the value is closed before the budget runs out
         assert jsonschema.Draft7Validator(prompt.constraint.schema).is_valid(predicted), gen.text
     # A budget far too small for most responses still ends every prediction as complete JSON.
     tight = GenerationConfig(max_new_tokens=20, temperature=0.0, stop=REHEARSE_STOP)
-    for gen in policy.rehearse(prompts, tight):
+    for gen in shipped_policy.rehearse(prompts, tight):
         assert parse_result(gen.text)[1] is None, gen.text
 
 
 @pytest.mark.slow
-def test_constrained_decoding_is_deterministic_and_batch_independent(policy: Any) -> None:
+def test_constrained_decoding_is_deterministic_and_batch_independent(shipped_policy: Any) -> None:
     from model_backend.decoding import Row, generate
 
     config = GenerationConfig(max_new_tokens=48, temperature=0.9, seed=3, stop=ACT_STOP)
-    (tools, prompt), *rest = first_prompts(policy, 3)
-    first = [g.text for g in policy.act(prompt, 3, config)]
-    assert first == [g.text for g in policy.act(prompt, 3, config)]
+    (tools, prompt), *rest = first_prompts(shipped_policy, 3)
+    first = [g.text for g in shipped_policy.act(prompt, 3, config)]
+    assert first == [g.text for g in shipped_policy.act(prompt, 3, config)]
     # Greedy rows of different prompts: batched together == each alone.
     prompts = [prompt] + [p for _, p in rest]
-    rows = lambda: [Row(policy.encode(p), stop=ACT_STOP, matcher=policy._matcher(p)) for p in prompts]  # noqa: E731
-    batched = generate(policy.model, policy.tokenizer, rows(), 48, policy.eos_ids, policy.pad_id)
-    alone = [generate(policy.model, policy.tokenizer, [row], 48, policy.eos_ids, policy.pad_id)[0]
+    rows = lambda: [Row(shipped_policy.encode(p), stop=ACT_STOP, matcher=shipped_policy._matcher(p)) for p in prompts]  # noqa: E731
+    batched = generate(shipped_policy.model, shipped_policy.tokenizer, rows(), 48, shipped_policy.eos_ids, shipped_policy.pad_id)
+    alone = [generate(shipped_policy.model, shipped_policy.tokenizer, [row], 48, shipped_policy.eos_ids, shipped_policy.pad_id)[0]
              for row in rows()]
     assert [o.text for o in batched] == [o.text for o in alone]
     assert batched[0].text == first[0]
@@ -389,7 +381,7 @@ def test_settings_stored_before_constrain_existed_read_as_unconstrained() -> Non
 
 
 @pytest.mark.slow
-def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jump_forward_takes_forced_tokens_in_fewer_steps(shipped_policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tokens the grammar forces are fed in one forward instead of one decode step each: the same greedy
     text (batched, rows of different prompts), one log-probability per token as the model gives it, and
     fewer decode steps."""
@@ -409,12 +401,12 @@ def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatc
         return counted
 
     monkeypatch.setattr(decoding, "decode_step", counting)
-    prompts = [p for _, p in first_prompts(policy, 3)]
-    rows = lambda: [Row(policy.encode(p), stop=ACT_STOP, matcher=policy._matcher(p)) for p in prompts]  # noqa: E731
+    prompts = [p for _, p in first_prompts(shipped_policy, 3)]
+    rows = lambda: [Row(shipped_policy.encode(p), stop=ACT_STOP, matcher=shipped_policy._matcher(p)) for p in prompts]  # noqa: E731
     outs, counts = {}, {}
     for jump in (False, True):
         steps["n"] = 0
-        outs[jump] = generate(policy.model, policy.tokenizer, rows(), 64, policy.eos_ids, policy.pad_id,
+        outs[jump] = generate(shipped_policy.model, shipped_policy.tokenizer, rows(), 64, shipped_policy.eos_ids, shipped_policy.pad_id,
                               jump_forward=jump)
         counts[jump] = steps["n"]
     assert [o.text for o in outs[True]] == [o.text for o in outs[False]]
@@ -427,21 +419,21 @@ def test_jump_forward_takes_forced_tokens_in_fewer_steps(policy: Any, monkeypatc
 
 
 @pytest.mark.slow
-def test_jump_forward_keeps_sampled_candidates(policy: Any) -> None:
+def test_jump_forward_keeps_sampled_candidates(shipped_policy: Any) -> None:
     """Sampled rows jump forward too, and their seeded generators skip one draw per forced token, so the K
     candidates of one prompt come out as they do without jump-forward: as many distinct texts, the same ones."""
     from model_backend.decoding import Row, generate
 
-    prompt = first_prompts(policy, 1)[0][1]
-    ids = policy.encode(prompt)
+    prompt = first_prompts(shipped_policy, 1)[0][1]
+    ids = shipped_policy.encode(prompt)
 
     def rows() -> list[Row]:
-        return [Row(ids, stop=ACT_STOP, matcher=policy._matcher(prompt))] + [
-            Row(ids, temperature=1.0, top_p=1.0, seed=seed, stop=ACT_STOP, matcher=policy._matcher(prompt))
+        return [Row(ids, stop=ACT_STOP, matcher=shipped_policy._matcher(prompt))] + [
+            Row(ids, temperature=1.0, top_p=1.0, seed=seed, stop=ACT_STOP, matcher=shipped_policy._matcher(prompt))
             for seed in (11, 12, 13)]
 
-    texts = {jump: [o.text for o in generate(policy.model, policy.tokenizer, rows(), 64, policy.eos_ids,
-                                             policy.pad_id, jump_forward=jump)]
+    texts = {jump: [o.text for o in generate(shipped_policy.model, shipped_policy.tokenizer, rows(), 64, shipped_policy.eos_ids,
+                                             shipped_policy.pad_id, jump_forward=jump)]
              for jump in (False, True)}
     assert texts[True] == texts[False]
     assert len(set(texts[True])) > 1, texts[True]
@@ -475,39 +467,39 @@ def test_skipping_draws_leaves_the_generator_as_real_draws_do(cheap: bool, monke
 
 
 @pytest.mark.slow
-def test_tool_alternatives_are_valid_calls_of_distinct_tools(policy: Any) -> None:
+def test_tool_alternatives_are_valid_calls_of_distinct_tools(shipped_policy: Any) -> None:
     """`proposal=tools` on the real model: K candidates that name K distinct tools, the alternatives in the
     order `rank_tools` gives, each schema-valid for its tool."""
     from app.engine.proposals import propose, rank_tools
 
     config = GenerationConfig(max_new_tokens=96, temperature=0.8, seed=0, stop=ACT_STOP)
-    for tools, prompt in first_prompts(policy, 2, prefill=TOOL_CALL_OPEN):
-        gens, log_p = propose(policy, prompt, tools, 4, config, "tools")
+    for tools, prompt in first_prompts(shipped_policy, 2, prefill=TOOL_CALL_OPEN):
+        gens, log_p = propose(shipped_policy, prompt, tools, 4, config, "tools")
         assert log_p == {}  # no relevance weight: the tools are ranked but no branch carries a tool score
         for gen in gens:
             assert_valid_call(gen.text, tools)
         names = [parse_action(g.text).call.name for g in gens]
         assert len(names) == 4 and len(set(names)) == 4, names
-        ranked = [r.tool.name for r in rank_tools(policy, prompt, tools)]
+        ranked = [r.tool.name for r in rank_tools(shipped_policy, prompt, tools)]
         assert names[1:] == [n for n in ranked if n != names[0]][:3]
 
 
 @pytest.mark.slow
-def test_relevance_re_aims_the_primary_at_the_top_ranked_tool(policy: Any) -> None:
+def test_relevance_re_aims_the_primary_at_the_top_ranked_tool(shipped_policy: Any) -> None:
     """With `relevance` on the real model: one finite log P(request | tool) per tool, and the primary is a
     schema-valid call to the tool that ranks first by direct + weight * relevance."""
     from app.engine.proposals import propose, rank_tools, relevance
 
     config = GenerationConfig(max_new_tokens=96, temperature=0.0, seed=0, stop=ACT_STOP)
-    tools, prompt = first_prompts(policy, 1, prefill=TOOL_CALL_OPEN)[0]
+    tools, prompt = first_prompts(shipped_policy, 1, prefill=TOOL_CALL_OPEN)[0]
     request = prompt.messages[-1]["content"]
-    rel = relevance(policy, request, tools)
+    rel = relevance(shipped_policy, request, tools)
     assert sorted(rel) == sorted(t.name for t in tools)
     assert all(math.isfinite(v) and v < 0 for v in rel.values())
-    ranked = rank_tools(policy, prompt, tools, rel, 0.5)
+    ranked = rank_tools(shipped_policy, prompt, tools, rel, 0.5)
     assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
     assert sum(math.exp(r.log_p) for r in ranked) == pytest.approx(1.0)
-    gens, log_p = propose(policy, prompt, tools, 1, config, "sample", rel, 0.5)
+    gens, log_p = propose(shipped_policy, prompt, tools, 1, config, "sample", rel, 0.5)
     assert_valid_call(gens[0].text, tools)
     assert parse_action(gens[0].text).call.name == ranked[0].tool.name
     assert log_p == {r.tool.name: r.log_p - ranked[0].log_p for r in ranked}

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_training import _branch_ids, _store_with_episode
+from scripted import branch_ids, stored_mock_episode
 
 from app import envs
 from app.cli.main import main
@@ -220,8 +220,8 @@ def test_checkpoints_keep_the_best_step_and_the_replay_is_trained_on(tmp_path: P
     from model_backend import load_model
     from model_backend.training import encode_rows, nll_of_rows
 
-    store, _, ep = _store_with_episode(tmp_path)
-    for branch_id, fixed in zip(_branch_ids(store, ep.id)[:2], [{"value": "navy blue"}, {"keys": ["color"]}]):
+    store, _, ep = stored_mock_episode(tmp_path)
+    for branch_id, fixed in zip(branch_ids(store, ep.id)[:2], [{"value": "navy blue"}, {"keys": ["color"]}]):
         store.add_annotation(Annotation(branch_id=branch_id, label="major", corrected_predicted=fixed))
     req = FinetuneRequest(out=tmp_path / "child", steps=3, lr=5e-3, rank=4, parent=None, measure_agreement=False,
                           replay_ratio=1.0, eval_every=1, selection_rows=2, patience=3, seed=1)

@@ -15,21 +15,14 @@ from app.store import Recorder, Store
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def policy():
-    import model_backend
-
-    return model_backend.load_policy("embedded")
-
-
-def test_two_parallel_steps_store_predicted_and_actual(policy, tmp_path):
+def test_two_parallel_steps_store_predicted_and_actual(base_policy, tmp_path):
     task = envs.load_task("bfcl:multi_turn_base_0")
     # tool_choice=required: every step is a tool call, whatever the weights prefer.
     settings = RunSettings(mode="parallel", branches=3, selector="judge", seed=0, tool_choice="required",
                            max_action_tokens=48, max_rehearsal_tokens=48)
     store = Store(tmp_path / "run.db")
     recorder = Recorder(store)
-    runner = EpisodeRunner(task, policy, settings, on_step=recorder)
+    runner = EpisodeRunner(task, base_policy, settings, on_step=recorder)
     recorder.start(runner.episode)
     steps = [runner.step(), runner.step()]
     assert all(s is not None for s in steps)
@@ -52,19 +45,19 @@ def test_two_parallel_steps_store_predicted_and_actual(policy, tmp_path):
     assert ep.shadow_calls == sum(1 for r in rows if r["actual_source"] == "shadow")
 
 
-def test_same_seed_same_steps(policy):
+def test_same_seed_same_steps(base_policy):
     task = envs.load_task("bfcl:multi_turn_base_4")
     settings = RunSettings(mode="parallel", branches=2, seed=7, tool_choice="required",
                            max_action_tokens=32, max_rehearsal_tokens=32)
 
     def texts():
-        step = EpisodeRunner(task, policy, settings).step()
+        step = EpisodeRunner(task, base_policy, settings).step()
         return [(b.action_text, b.predicted_text, b.chosen) for b in step.branches]
 
     assert texts() == texts()
 
 
-def test_prompts_fit_the_context_window(policy):
+def test_prompts_fit_the_context_window(base_policy):
     """Tools of any two BFCL classes plus ten steps of history fit with room to generate."""
     classes = sorted({c for tid in envs.list_tasks("multi_turn_base") for c in envs.load_task(tid).env_classes})
     history = [HistoryItem(role="user", content="Please do the following task for me. " * 8)]
@@ -76,13 +69,13 @@ def test_prompts_fit_the_context_window(policy):
     report = {}
     for a, b in itertools.combinations(classes, 2):
         env = envs.BFCLEnvironment([a, b])
-        prompt = act_prompt(env.tools(), history, policy.count_tokens, policy.context_window, reserve=reserve)
-        n = len(policy.encode(prompt))
+        prompt = act_prompt(env.tools(), history, base_policy.count_tokens, base_policy.context_window, reserve=reserve)
+        n = len(base_policy.encode(prompt))
         report[f"{a}+{b}"] = n
-        assert n + reserve <= policy.context_window, (a, b, n)
+        assert n + reserve <= base_policy.context_window, (a, b, n)
         assert sum(1 for m in prompt.messages if m["role"] == "tool") == 10  # nothing had to be dropped
         r = rehearse_prompt(env.tools()[0], Call(name=env.tools()[0].name), history)
-        assert len(policy.encode(r)) + reserve <= policy.context_window
+        assert len(base_policy.encode(r)) + reserve <= base_policy.context_window
     print("act prompt tokens, two classes + 10 steps:", json.dumps(report, indent=0))
     assert max(report.values()) < 4000
 

@@ -3,7 +3,6 @@ rehearsal (K=2) each, with shadow execution on forks that leaves the episode's s
 import pytest
 
 from app import envs
-from app.config import resolve_adapter
 from app.engine import EpisodeRunner
 from app.records import RunSettings
 from helpers import need_servers
@@ -15,22 +14,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.mcp]
 TASKS = ["mcp:git/commit-readme", "mcp:sqlite/deactivate-bob", "mcp:filesystem/write-hello"]
 
 
-@pytest.fixture(scope="module")
-def policy():
-    import model_backend
-
-    return model_backend.load_policy("embedded", adapter=resolve_adapter("embedded", None))
-
-
 @pytest.mark.parametrize("task_id", TASKS)
-def test_one_parallel_step_rehearses_and_shadows_on_a_copy(policy, task_id):
+def test_one_parallel_step_rehearses_and_shadows_on_a_copy(shipped_policy, task_id):
     need_servers()
     task = envs.load_task(task_id)
     settings = RunSettings(mode="parallel", branches=2, selector="logprob", seed=1, temperature=1.0,
                            tool_choice="required", max_action_tokens=64, max_rehearsal_tokens=48,
                            max_steps_per_turn=1)
     with envs.make_env(task) as env, envs.make_env(task) as replay:
-        runner = EpisodeRunner(task, policy, settings, env=env)
+        runner = EpisodeRunner(task, shipped_policy, settings, env=env)
         step = runner.step()
         calls = [b for b in step.branches if b.kind == "call"]
         assert calls, f"no tool call among {[b.action_text for b in step.branches]}"

@@ -124,11 +124,6 @@ def test_adapter_for_same_base(tmp_path: Path, base: str) -> None:
 # ---- the real embedded model (slow) -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def policy() -> Any:
-    return load_policy("embedded")
-
-
 @pytest.mark.slow
 def test_conversion_is_cached_and_atomic(tmp_path_factory: pytest.TempPathFactory) -> None:
     cache = tmp_path_factory.mktemp("model-cache")
@@ -146,26 +141,26 @@ def test_conversion_is_cached_and_atomic(tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.mark.slow
-def test_load_policy_is_cached(policy: Any) -> None:
-    assert load_policy("embedded") is policy
-    assert isinstance(policy, Policy)
-    assert policy.name == "embedded"
-    assert policy.context_window == 8192
-    assert policy.count_tokens("hello world") == 2
+def test_load_policy_is_cached(base_policy: Any) -> None:
+    assert load_policy("embedded") is base_policy
+    assert isinstance(base_policy, Policy)
+    assert base_policy.name == "embedded"
+    assert base_policy.context_window == 8192
+    assert base_policy.count_tokens("hello world") == 2
 
 
 @pytest.mark.slow
-def test_hf_spec_loads_a_local_checkpoint(policy: Any) -> None:
+def test_hf_spec_loads_a_local_checkpoint(base_policy: Any) -> None:
     cache_dir = loading.gguf_cache_dir(loading.embedded_gguf_path())
     local = load_policy(f"hf:{cache_dir}")
     assert not local.loaded.cold
     prompt = user("Name a fruit.")
     config = GenerationConfig(max_new_tokens=8)
-    assert local.rehearse([prompt], config)[0].text == policy.rehearse([prompt], config)[0].text
+    assert local.rehearse([prompt], config)[0].text == base_policy.rehearse([prompt], config)[0].text
 
 
 @pytest.mark.slow
-def test_adapter_errors_and_a_real_adapter(policy: Any, tmp_path: Path) -> None:
+def test_adapter_errors_and_a_real_adapter(base_policy: Any, tmp_path: Path) -> None:
     not_adapter = tmp_path / "not-an-adapter"
     not_adapter.mkdir()
     (not_adapter / "README.md").write_text("hello")
@@ -184,25 +179,25 @@ def test_adapter_errors_and_a_real_adapter(policy: Any, tmp_path: Path) -> None:
     adapted = TransformersPolicy(loaded)
     prompt = user("Name a color.")
     config = GenerationConfig(max_new_tokens=6)
-    assert adapted.rehearse([prompt], config)[0].text == policy.rehearse([prompt], config)[0].text
+    assert adapted.rehearse([prompt], config)[0].text == base_policy.rehearse([prompt], config)[0].text
 
 
 @pytest.mark.slow
-def test_batched_greedy_equals_plain_generate(policy: Any) -> None:
+def test_batched_greedy_equals_plain_generate(base_policy: Any) -> None:
     prompts = [
         user("List three colors.", prefill="Sure"),
         user("What is 2+2?"),
         user("Write a haiku about the sea.", system="You are a poet. Answer in exactly three lines."),
         user("Write a haiku about the sea.", system="You are a poet."),
     ]
-    batched = policy.rehearse(prompts, GenerationConfig(max_new_tokens=SHORT))
+    batched = base_policy.rehearse(prompts, GenerationConfig(max_new_tokens=SHORT))
     for prompt, gen in zip(prompts, batched):
-        assert gen.text == policy.reference_generate(prompt, SHORT)
+        assert gen.text == base_policy.reference_generate(prompt, SHORT)
         assert not gen.sampled
 
 
 @pytest.mark.slow
-def test_rehearse_batch_equals_each_alone(policy: Any) -> None:
+def test_rehearse_batch_equals_each_alone(base_policy: Any) -> None:
     # Same system prompt (a shared prefix), user turns of very different lengths (suffix padding).
     system = "You simulate a file system API. Reply with JSON only."
     prompts = [
@@ -211,25 +206,25 @@ def test_rehearse_batch_equals_each_alone(policy: Any) -> None:
         user("pwd()", system=system),
     ]
     config = GenerationConfig(max_new_tokens=SHORT, stop=("</execution_result>",))
-    together = policy.rehearse(prompts, config)
+    together = base_policy.rehearse(prompts, config)
     for prompt, gen in zip(prompts, together):
-        alone = policy.rehearse([prompt], config)[0]
+        alone = base_policy.rehearse([prompt], config)[0]
         assert gen.text == alone.text
         assert gen.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-3)
     assert together[0].text.startswith("<execution_result>")
 
 
 @pytest.mark.slow
-def test_act_row0_greedy_and_seeded(policy: Any) -> None:
+def test_act_row0_greedy_and_seeded(base_policy: Any) -> None:
     prompt = user("Suggest a name for a pet cat.")
     config = GenerationConfig(max_new_tokens=SHORT, temperature=1.0, seed=7)
-    first = policy.act(prompt, 4, config)
+    first = base_policy.act(prompt, 4, config)
     assert len(first) == 4
     assert [g.sampled for g in first] == [False, True, True, True]
-    assert first[0].text == policy.reference_generate(prompt, SHORT)
-    again = policy.act(prompt, 4, config)
+    assert first[0].text == base_policy.reference_generate(prompt, SHORT)
+    again = base_policy.act(prompt, 4, config)
     assert [g.text for g in again] == [g.text for g in first]
-    other = policy.act(prompt, 4, GenerationConfig(max_new_tokens=SHORT, temperature=1.0, seed=8))
+    other = base_policy.act(prompt, 4, GenerationConfig(max_new_tokens=SHORT, temperature=1.0, seed=8))
     assert other[0].text == first[0].text
     assert [g.text for g in other[1:]] != [g.text for g in first[1:]]
     for gen in first:
@@ -238,38 +233,38 @@ def test_act_row0_greedy_and_seeded(policy: Any) -> None:
 
 
 @pytest.mark.slow
-def test_stop_strings_and_eos(policy: Any) -> None:
+def test_stop_strings_and_eos(base_policy: Any) -> None:
     prompt = user("Count from 1 to 20, one number per line.")
-    free = policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT))[0].text
+    free = base_policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT))[0].text
     stop = free[len(free) // 2 : len(free) // 2 + 3]  # a stop string the greedy text surely contains
-    cut = policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT, stop=(stop, "never")))[0]
+    cut = base_policy.rehearse([prompt], GenerationConfig(max_new_tokens=SHORT, stop=(stop, "never")))[0]
     assert cut.finished
     assert cut.text == free[: free.index(stop) + len(stop)]
     # Sampled rows stop too (BPE tokens carry their leading space, so " " ends at the second word).
-    for gen in policy.act(prompt, 3, GenerationConfig(max_new_tokens=SHORT, stop=(" ",), seed=1)):
+    for gen in base_policy.act(prompt, 3, GenerationConfig(max_new_tokens=SHORT, stop=(" ",), seed=1)):
         assert gen.finished and gen.text.endswith(" ") and gen.text.count(" ") == 1
 
-    done = policy.rehearse([user("Say OK and nothing else.")], GenerationConfig(max_new_tokens=40))[0]
+    done = base_policy.rehearse([user("Say OK and nothing else.")], GenerationConfig(max_new_tokens=40))[0]
     assert done.finished  # ended at <|im_end|>, which is not part of the text
     assert "<|im_end|>" not in done.text
-    budget = policy.rehearse([user("Count from 1 to 50.")], GenerationConfig(max_new_tokens=3))[0]
+    budget = base_policy.rehearse([user("Count from 1 to 50.")], GenerationConfig(max_new_tokens=3))[0]
     assert not budget.finished and len(budget.token_logprobs) == 3
 
 
-def plain_logprobs(policy: Any, prompt: Prompt, continuation: str) -> list[float]:
+def plain_logprobs(base_policy: Any, prompt: Prompt, continuation: str) -> list[float]:
     """Continuation log-probs from one ordinary forward pass over prompt + continuation."""
     import torch
 
-    prompt_ids = policy.encode(prompt)
-    cont_ids = policy.tokenizer.encode(continuation, add_special_tokens=False)
+    prompt_ids = base_policy.encode(prompt)
+    cont_ids = base_policy.tokenizer.encode(continuation, add_special_tokens=False)
     with torch.inference_mode():
-        logits = policy.model(input_ids=torch.tensor([prompt_ids + cont_ids])).logits[0].float()
+        logits = base_policy.model(input_ids=torch.tensor([prompt_ids + cont_ids])).logits[0].float()
     logprobs = torch.log_softmax(logits, dim=-1)
     return [logprobs[len(prompt_ids) + j - 1, tok].item() for j, tok in enumerate(cont_ids)]
 
 
 @pytest.mark.slow
-def test_score_matches_one_plain_forward(policy: Any) -> None:
+def test_score_matches_one_plain_forward(base_policy: Any) -> None:
     system = "Answer yes or no."
     prompts = [
         user("Is the sky blue?", system=system),
@@ -277,20 +272,20 @@ def test_score_matches_one_plain_forward(policy: Any) -> None:
         user("Is 7 prime?", system=system),
     ]
     continuations = [" yes", ' {"current_directory_content": ["a.txt", "b"]}', "No, it is"]
-    scored = policy.score(prompts, continuations)
+    scored = base_policy.score(prompts, continuations)
     for prompt, cont, lps in zip(prompts, continuations, scored):
-        assert lps == pytest.approx(plain_logprobs(policy, prompt, cont), abs=1e-4)
-    assert policy.score([prompts[0]], [""]) == [[]]
+        assert lps == pytest.approx(plain_logprobs(base_policy, prompt, cont), abs=1e-4)
+    assert base_policy.score([prompts[0]], [""]) == [[]]
 
 
 @pytest.mark.slow
-def test_score_identical_prompts(policy: Any) -> None:
+def test_score_identical_prompts(base_policy: Any) -> None:
     # The judge case: one prompt, several answers; the whole prompt is the shared prefix and the
     # suffixes have equal lengths, so no padding mask is passed at all.
     prompt = user("Is water wet? Answer yes or no.")
-    yes, no = policy.score([prompt, prompt], ["yes it is", "no it is"])
-    assert yes == pytest.approx(plain_logprobs(policy, prompt, "yes it is"), abs=1e-4)
-    assert no == pytest.approx(plain_logprobs(policy, prompt, "no it is"), abs=1e-4)
+    yes, no = base_policy.score([prompt, prompt], ["yes it is", "no it is"])
+    assert yes == pytest.approx(plain_logprobs(base_policy, prompt, "yes it is"), abs=1e-4)
+    assert no == pytest.approx(plain_logprobs(base_policy, prompt, "no it is"), abs=1e-4)
 
 
 def full_sort_nucleus(probs: Any, top_p: float) -> Any:
@@ -329,7 +324,7 @@ def test_token_tree_shares_beginnings_and_sees_only_ancestors() -> None:
 
 
 @pytest.mark.slow
-def test_rows_sharing_part_of_their_suffixes_decode_as_each_alone(policy: Any, monkeypatch: Any) -> None:
+def test_rows_sharing_part_of_their_suffixes_decode_as_each_alone(base_policy: Any, monkeypatch: Any) -> None:
     # K Rehearse prompts: two rows call one tool (its description shared after the history), one another.
     # Their suffixes are encoded once as a token tree (decoding._encode_tree); each row's greedy text and
     # log-probabilities are the ones it gets decoded alone.
@@ -340,21 +335,21 @@ def test_rows_sharing_part_of_their_suffixes_decode_as_each_alone(policy: Any, m
     spec = "Tool: wc(file_name: str, mode: str = 'l'): count lines, words or characters of a file."
     prompts = [user(f"{history}\n{spec}\nCall: wc(file_name='{f}')", prefill="Result:") for f in ("a.txt", "notes.md")]
     prompts.append(user(f"{history}\nTool: pwd(): the current directory.\nCall: pwd()", prefill="Result:"))
-    rows = [Row(policy.encode(p)) for p in prompts]
+    rows = [Row(base_policy.encode(p)) for p in prompts]
     trees: list[Any] = []
     real = decoding._encode_tree
     monkeypatch.setattr(decoding, "_encode_tree", lambda *a: (trees.append(a[2]), real(*a))[1])
-    together = generate(policy.model, policy.tokenizer, rows, SHORT, policy.eos_ids, policy.pad_id)
+    together = generate(base_policy.model, base_policy.tokenizer, rows, SHORT, base_policy.eos_ids, base_policy.pad_id)
     assert len(trees) == 1 and len(trees[0].tokens) - 1 < sum(len(r.ids) for r in rows) - 3 * decoding.common_prefix_len(
         [r.ids for r in rows])  # the shared description is one branch of the tree
     for row, out in zip(rows, together):
-        alone = generate(policy.model, policy.tokenizer, [row], SHORT, policy.eos_ids, policy.pad_id)[0]
+        alone = generate(base_policy.model, base_policy.tokenizer, [row], SHORT, base_policy.eos_ids, base_policy.pad_id)[0]
         assert out.token_ids == alone.token_ids
         assert out.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-3)
 
 
 @pytest.mark.slow
-def test_score_of_one_prompt_as_a_token_tree_matches_plain_forwards(policy: Any, monkeypatch: Any) -> None:
+def test_score_of_one_prompt_as_a_token_tree_matches_plain_forwards(base_policy: Any, monkeypatch: Any) -> None:
     # The tool ranking's case: one Act prompt, many names that share their first tokens. They are
     # encoded once as a tree in one row (decoding._score_tree), each scored as if alone after the prompt.
     prompt = user("Which tool lists the files here?", system="Tools: ls, list_files, list_dirs, pwd, cd.",
@@ -365,17 +360,17 @@ def test_score_of_one_prompt_as_a_token_tree_matches_plain_forwards(policy: Any,
     trees: list[Any] = []
     real = decoding._score_tree
     monkeypatch.setattr(decoding, "_score_tree", lambda model, p, tree, *a: (trees.append(tree), real(model, p, tree, *a)))
-    policy.forget_scores()
-    scored = policy.score([prompt] * len(names), names)
+    base_policy.forget_scores()
+    scored = base_policy.score([prompt] * len(names), names)
     assert len(trees) == 1
-    name_tokens = sum(len(policy.tokenizer.encode(n, add_special_tokens=False)) for n in names)
+    name_tokens = sum(len(base_policy.tokenizer.encode(n, add_special_tokens=False)) for n in names)
     assert len(trees[0].tokens) - 1 < name_tokens  # "list" is encoded once for two names
     for name, lps in zip(names, scored):
-        assert lps == pytest.approx(plain_logprobs(policy, prompt, name), abs=1e-4)
+        assert lps == pytest.approx(plain_logprobs(base_policy, prompt, name), abs=1e-4)
 
 
 @pytest.mark.slow
-def test_short_prompts_are_kept_across_episodes_and_restored_side_by_side(policy: Any) -> None:
+def test_short_prompts_are_kept_across_episodes_and_restored_side_by_side(base_policy: Any) -> None:
     # The channel's case: each tool line is its own prompt, and the request changes every turn. The
     # prompts' KV stays in `prompt_cache` (an episode reset keeps it); a new request restores every
     # prompt into one batch and encodes only the request, with the log-probabilities of plain forwards.
@@ -385,32 +380,32 @@ def test_short_prompts_are_kept_across_episodes_and_restored_side_by_side(policy
              "Tool `cd`: change the current directory to the given folder.",
              "Tool `post_tweet`: post a tweet with the given content and tags."]
     prompts = [user(f"{line}\nWrite a request a user could make that needs this tool.") for line in lines]
-    cache = policy.prompt_cache
+    cache = base_policy.prompt_cache
     assert cache is not None
-    policy.forget_scores()
+    base_policy.forget_scores()
     assert len(cache) == 0
-    policy.score(prompts, ["Show me my files."] * 3)
+    base_policy.score(prompts, ["Show me my files."] * 3)
     assert len(cache) == 3
-    policy.reset_cache()  # an episode reset
+    base_policy.reset_cache()  # an episode reset
     assert len(cache) == 3
     hits = cache.stats.hits
     request = "Tweet that the report is done, tagged #work."
-    restored = policy.score(prompts, [request] * 3)
+    restored = base_policy.score(prompts, [request] * 3)
     assert cache.stats.hits - hits == 3
     for prompt, lps in zip(prompts, restored):
-        assert lps == pytest.approx(plain_logprobs(policy, prompt, request), abs=1e-3)
-    policy.forget_scores(prompts=False)
+        assert lps == pytest.approx(plain_logprobs(base_policy, prompt, request), abs=1e-3)
+    base_policy.forget_scores(prompts=False)
     assert len(cache) == 3
-    policy.forget_scores()
+    base_policy.forget_scores()
     assert len(cache) == 0
-    loaded = policy.loaded
+    loaded = base_policy.loaded
     moving = TransformersPolicy(LoadedModel(loaded.model, loaded.tokenizer, loaded.spec, loaded.device,
                                             loaded.dtype, 0.0, False), score_memo=0)
     assert moving.prompt_cache is None  # weights that train under it keep no KV across calls
 
 
 @pytest.mark.slow
-def test_second_load_reads_the_converted_cache(policy: Any) -> None:
+def test_second_load_reads_the_converted_cache(base_policy: Any) -> None:
     target = loading.gguf_cache_dir(loading.embedded_gguf_path())
     written = {f: f.stat().st_mtime_ns for f in target.rglob("*") if f.is_file()}
     loaded = loading.load_model("embedded")
@@ -419,49 +414,49 @@ def test_second_load_reads_the_converted_cache(policy: Any) -> None:
 
 
 @pytest.mark.slow
-def test_score_chunks_agree(policy: Any) -> None:
+def test_score_chunks_agree(base_policy: Any) -> None:
     from model_backend import decoding
 
-    prompts = [policy.encode(user(q)) for q in ("Is 4 even?", "Is 9 even?", "Is the moon cheese?")]
-    conts = [policy.tokenizer.encode(c, add_special_tokens=False) for c in (" yes it is", " no", "")]
-    whole = decoding.score(policy.model, prompts, conts, policy.pad_id)
-    chunked = decoding.score(policy.model, prompts, conts, policy.pad_id, max_positions=4)
+    prompts = [base_policy.encode(user(q)) for q in ("Is 4 even?", "Is 9 even?", "Is the moon cheese?")]
+    conts = [base_policy.tokenizer.encode(c, add_special_tokens=False) for c in (" yes it is", " no", "")]
+    whole = decoding.score(base_policy.model, prompts, conts, base_policy.pad_id)
+    chunked = decoding.score(base_policy.model, prompts, conts, base_policy.pad_id, max_positions=4)
     assert [len(x) for x in chunked] == [3, 1, 0]
     for a, b in zip(whole, chunked):
         assert a == pytest.approx(b, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_score_rows_of_very_different_lengths(policy: Any) -> None:
+def test_score_rows_of_very_different_lengths(base_policy: Any) -> None:
     # A long row starts its own chunk (decoding.PAD_SLACK), and rows come back in the caller's order.
     long_question = "Is this list sorted: " + ", ".join(str(n) for n in range(60)) + "?"
     prompts = [user("Is 4 even?"), user(long_question), user("Is 9 even?")]
     conts = [" yes", " yes it is", " no"]
-    scored = policy.score(prompts, conts)
+    scored = base_policy.score(prompts, conts)
     for prompt, cont, lps in zip(prompts, conts, scored):
-        assert lps == pytest.approx(plain_logprobs(policy, prompt, cont), abs=1e-4)
+        assert lps == pytest.approx(plain_logprobs(base_policy, prompt, cont), abs=1e-4)
 
 
 @pytest.mark.slow
-def test_score_memo_reuses_results_until_forgotten(policy: Any) -> None:
+def test_score_memo_reuses_results_until_forgotten(base_policy: Any) -> None:
     from model_backend.loading import LoadedModel
     from model_backend.policy import TransformersPolicy
 
     prompts = [user("Is 15 odd?"), user("Is 16 odd?")]
-    policy.forget_scores()
-    policy.timings.take()
-    first = policy.score(prompts, [" yes", " no"])
-    assert "score.forward" in policy.timings.take()
-    again = policy.score(prompts[::-1], [" no", " yes"])  # same pairs, other order: no forward at all
-    assert "score.forward" not in policy.timings.take()
+    base_policy.forget_scores()
+    base_policy.timings.take()
+    first = base_policy.score(prompts, [" yes", " no"])
+    assert "score.forward" in base_policy.timings.take()
+    again = base_policy.score(prompts[::-1], [" no", " yes"])  # same pairs, other order: no forward at all
+    assert "score.forward" not in base_policy.timings.take()
     assert again == first[::-1]
-    policy.score([prompts[0]], [" no"])  # a new continuation is computed
-    assert "score.forward" in policy.timings.take()
-    policy.forget_scores()
-    for fresh, kept in zip(policy.score(prompts, [" yes", " no"]), first):
+    base_policy.score([prompts[0]], [" no"])  # a new continuation is computed
+    assert "score.forward" in base_policy.timings.take()
+    base_policy.forget_scores()
+    for fresh, kept in zip(base_policy.score(prompts, [" yes", " no"]), first):
         assert fresh == pytest.approx(kept, abs=1e-4)
-    assert "score.forward" in policy.timings.take()
-    loaded = policy.loaded
+    assert "score.forward" in base_policy.timings.take()
+    loaded = base_policy.loaded
     moving = TransformersPolicy(LoadedModel(loaded.model, loaded.tokenizer, loaded.spec, loaded.device,
                                             loaded.dtype, 0.0, False), score_memo=0)
     moving.score(prompts, [" yes", " no"])

@@ -18,28 +18,23 @@ from model_backend.prefix_cache import PrefixCache
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def policy() -> Any:
-    return load_policy("embedded")
-
-
-def kv_of(policy: Any, ids: list[int]) -> Any:
-    cache = new_cache(policy.model.config)
+def kv_of(base_policy: Any, ids: list[int]) -> Any:
+    cache = new_cache(base_policy.model.config)
     with torch.inference_mode():
-        policy.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        base_policy.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 
-def test_lookup_finds_the_longest_stored_prefix_and_restores_it_exactly(policy: Any) -> None:
+def test_lookup_finds_the_longest_stored_prefix_and_restores_it_exactly(base_policy: Any) -> None:
     ids = list(range(100, 160))
     other = list(range(100, 130)) + list(range(500, 540))
     cache = PrefixCache()
-    cache.store(ids[:40], kv_of(policy, ids[:40]))
-    cache.store(other, kv_of(policy, other))
+    cache.store(ids[:40], kv_of(base_policy, ids[:40]))
+    cache.store(other, kv_of(base_policy, other))
     assert len(cache) == 2
-    target = new_cache(policy.model.config)
+    target = new_cache(base_policy.model.config)
     assert cache.restore(ids, target) == 40  # the 40-token entry shares 40, the other only 30
-    full = kv_of(policy, ids)
+    full = kv_of(base_policy, ids)
     for got, want in zip(target.layers, full.layers):
         assert torch.allclose(got.keys, want.keys[..., :40, :], atol=1e-3, rtol=1e-3)
         assert torch.allclose(got.values, want.values[..., :40, :], atol=1e-3, rtol=1e-3)
@@ -47,36 +42,36 @@ def test_lookup_finds_the_longest_stored_prefix_and_restores_it_exactly(policy: 
 
     # At least one token is always left to compute, short prefixes are misses, an entry that is a
     # prefix of a newer one is dropped, and the byte budget evicts the least recently used entry.
-    assert cache.restore(ids[:40], new_cache(policy.model.config)) == 39
-    assert cache.restore(list(range(100, 110)) + [7] * 20, new_cache(policy.model.config)) == 0
-    cache.store(ids, kv_of(policy, ids))
+    assert cache.restore(ids[:40], new_cache(base_policy.model.config)) == 39
+    assert cache.restore(list(range(100, 110)) + [7] * 20, new_cache(base_policy.model.config)) == 0
+    cache.store(ids, kv_of(base_policy, ids))
     assert len(cache) == 2 and ids[:40] not in [list(k) for k in cache._entries]
     small = PrefixCache(max_bytes=int(cache.nbytes * 0.9))
-    small.store(other, kv_of(policy, other))
-    small.store(ids, kv_of(policy, ids))
-    assert len(small) == 1 and small.restore(other, new_cache(policy.model.config)) == 30  # only `ids` is left
+    small.store(other, kv_of(base_policy, other))
+    small.store(ids, kv_of(base_policy, ids))
+    assert len(small) == 1 and small.restore(other, new_cache(base_policy.model.config)) == 30  # only `ids` is left
     cache.clear()
-    assert len(cache) == 0 and cache.restore(ids, new_cache(policy.model.config)) == 0
+    assert len(cache) == 0 and cache.restore(ids, new_cache(base_policy.model.config)) == 0
 
 
-def test_growing_prompts_decode_the_same_with_and_without_the_cache(policy: Any) -> None:
+def test_growing_prompts_decode_the_same_with_and_without_the_cache(base_policy: Any) -> None:
     system = "You are a helpful assistant that works in a file system. Answer briefly."
     turns = ["List the files.", "Now open the largest one.", "Count its lines, then sort them."]
     config = GenerationConfig(max_new_tokens=24)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     cached, plain = [], []
-    cache = policy.prefix_cache
+    cache = base_policy.prefix_cache
     assert cache is not None
     cache.clear()
     for turn in turns:
         messages.append({"role": "user", "content": turn})
         prompt = Prompt(list(messages))
-        cached.append(policy.act(prompt, 2, config))
-        policy.prefix_cache = None
+        cached.append(base_policy.act(prompt, 2, config))
+        base_policy.prefix_cache = None
         try:
-            plain.append(policy.act(prompt, 2, config))
+            plain.append(base_policy.act(prompt, 2, config))
         finally:
-            policy.prefix_cache = cache
+            base_policy.prefix_cache = cache
         messages.append({"role": "assistant", "content": cached[-1][0].text})
     for with_cache, without in zip(cached, plain):
         assert [g.text for g in with_cache] == [g.text for g in without]
@@ -110,11 +105,11 @@ def test_held_out_episodes_are_the_same_with_and_without_the_cache() -> None:
     assert reused > 0
 
 
-def test_rehearse_rows_are_kept_and_scoring_restores_each_prompt(policy: Any) -> None:
+def test_rehearse_rows_are_kept_and_scoring_restores_each_prompt(base_policy: Any) -> None:
     """K Rehearse prompts share the history and differ after it: their decoding keeps each whole prompt, so
     scoring real responses under them (surprise) restores each prompt instead of encoding its suffix
     again, with the same log-probabilities as without the cache."""
-    cache = policy.prefix_cache
+    cache = base_policy.prefix_cache
     assert cache is not None
     cache.clear()
     history = "Calls so far and their real results:\n" + "\n".join(
@@ -125,21 +120,21 @@ def test_rehearse_rows_are_kept_and_scoring_restores_each_prompt(policy: Any) ->
     prompts = [Prompt([{"role": "system", "content": "You simulate a file system API. Reply with JSON only."},
                        {"role": "user", "content": f"{history}\n\nTool: {tool}\nCall: {tool.split(':')[0]}"}],
                       prefill="<execution_result>") for tool in tools]
-    policy.rehearse(prompts, GenerationConfig(max_new_tokens=4))
-    ids = [policy.encode(p) for p in prompts]
+    base_policy.rehearse(prompts, GenerationConfig(max_new_tokens=4))
+    ids = [base_policy.encode(p) for p in prompts]
     assert all(cache.covered(i) == len(i) for i in ids)
     responses = ['{"current_directory_content": ["a.txt"]}</execution_result>',
                  '{"current_working_directory": "/dir11"}</execution_result>',
                  '{"disk_usage": "2048 bytes"}</execution_result>']
     hits, reused = cache.stats.hits, cache.stats.reused_tokens
-    with_cache = policy.score(prompts, responses)
+    with_cache = base_policy.score(prompts, responses)
     assert cache.stats.hits - hits == len(prompts)  # one restore per prompt, each of nearly all of it
     assert cache.stats.reused_tokens - reused >= sum(len(i) for i in ids) - 2 * len(ids)
-    policy.prefix_cache = None
-    policy.forget_scores()  # else the memo would answer with the cached run's own figures
+    base_policy.prefix_cache = None
+    base_policy.forget_scores()  # else the memo would answer with the cached run's own figures
     try:
-        without = policy.score(prompts, responses)
+        without = base_policy.score(prompts, responses)
     finally:
-        policy.prefix_cache = cache
+        base_policy.prefix_cache = cache
     for a, b in zip(with_cache, without):
         assert a == pytest.approx(b, abs=1e-3)

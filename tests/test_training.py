@@ -22,7 +22,7 @@ from app.formats import rehearse_target
 from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
                                replay, self_training_rows)
 from model_backend.training import TrainConfig, TrainingError, save_adapter
-from scripted import SCRIPT, ScriptedPolicy, call, mock_episode  # noqa: F401 (shared by other tests)
+from scripted import ScriptedPolicy, branch_ids, call, mock_episode, stored_mock_episode
 
 
 def ctx_for(policy) -> PromptContext:
@@ -148,21 +148,11 @@ def test_train_config_validation() -> None:
             TrainConfig(**bad).validate()
 
 
-def _store_with_episode(tmp_path: Path) -> tuple[Store, object, object]:
-    store = Store(tmp_path / "t.db")
-    task, policy, ep = mock_episode(store=store)
-    return store, policy, ep
-
-
-def _branch_ids(store: Store, episode_id: str, kind: str = "call") -> list[int]:
-    return [r["id"] for r in store.branch_rows(episode_id) if r["kind"] == kind]
-
-
 def test_no_corrections_is_a_clear_error(tmp_path: Path) -> None:
-    store, _, ep = _store_with_episode(tmp_path)
+    store, _, ep = stored_mock_episode(tmp_path)
     with pytest.raises(FinetuneError, match="no corrected branches"):
         select_corrections(store)
-    store.add_annotation(Annotation(branch_id=_branch_ids(store, ep.id)[0], label="match"))
+    store.add_annotation(Annotation(branch_id=branch_ids(store, ep.id)[0], label="match"))
     with pytest.raises(FinetuneError, match="pass --annotated"):
         select_corrections(store)
     assert len(select_corrections(store, annotated=True)) == 1
@@ -176,15 +166,15 @@ def test_no_corrections_is_a_clear_error(tmp_path: Path) -> None:
     ({"corrected_action": '<tool_call>{"name": </tool_call>'}, "corrected action is not a valid tool call"),
 ])
 def test_invalid_corrections(tmp_path: Path, annotation: dict, message: str) -> None:
-    store, _, ep = _store_with_episode(tmp_path)
-    store.add_annotation(Annotation(branch_id=_branch_ids(store, ep.id)[0], label="major", **annotation))
+    store, _, ep = stored_mock_episode(tmp_path)
+    store.add_annotation(Annotation(branch_id=branch_ids(store, ep.id)[0], label="major", **annotation))
     with pytest.raises(FinetuneError, match=message):
         select_corrections(store)
 
 
 def test_correction_rows_use_corrected_targets(tmp_path: Path) -> None:
-    store, policy, ep = _store_with_episode(tmp_path)
-    ids = _branch_ids(store, ep.id)
+    store, policy, ep = stored_mock_episode(tmp_path)
+    ids = branch_ids(store, ep.id)
     store.add_annotation(Annotation(branch_id=ids[0], corrected_predicted={"ok": False}))
     store.add_annotation(Annotation(branch_id=ids[1], corrected_action=call("get", key="size")))
     from app.training.finetune import build_rows
@@ -222,8 +212,8 @@ def _table_counts(store: Store) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_finetune_on_three_corrections_lowers_loss_and_nll(tmp_path: Path) -> None:
-    store, _, ep = _store_with_episode(tmp_path)
-    ids = _branch_ids(store, ep.id)
+    store, _, ep = stored_mock_episode(tmp_path)
+    ids = branch_ids(store, ep.id)
     assert len(ids) >= 3
     corrections = [{"value": "navy blue"}, {"keys": ["color"]}, {"error": "no such key: size"}]
     for branch_id, fixed in zip(ids[:3], corrections):

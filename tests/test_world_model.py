@@ -118,22 +118,14 @@ def test_serve_has_an_mcp_flag():
 # ---------------------------------------------------------------- the real agent
 
 
-@pytest.fixture(scope="module")
-def policy():
-    import model_backend
-    from app.config import shipped_adapter
-
-    return model_backend.load_policy("embedded", adapter=shipped_adapter())
-
-
 @pytest.mark.slow
-def test_propose_is_the_runners_parallel_step_without_executing(policy):
+def test_propose_is_the_runners_parallel_step_without_executing(shipped_policy):
     # Same prompts, same constrained decoding, same dedup and scores as a parallel step of the runner.
     settings = RunSettings(mode="parallel", branches=2, selector="logprob", seed=0, shadow=False)
-    runner = EpisodeRunner(envs.load_task(TASK), policy, settings)
+    runner = EpisodeRunner(envs.load_task(TASK), shipped_policy, settings)
     state_before = runner.env.state()
     step = runner.step()
-    candidates = WorldModel(policy).propose(mcp_tools(), first_message(), 2)
+    candidates = WorldModel(shipped_policy).propose(mcp_tools(), first_message(), 2)
     assert [c.action_text for c in candidates] == [b.action_text for b in step.branches]
     assert [c.score for c in candidates] == [b.scores["logprob"] for b in step.branches]
     assert [c.chosen for c in candidates] == [b.chosen for b in step.branches]
@@ -150,25 +142,25 @@ def test_propose_is_the_runners_parallel_step_without_executing(policy):
 
 
 @pytest.mark.slow
-def test_rehearse_predicts_a_json_response_with_its_confidence(policy):
+def test_rehearse_predicts_a_json_response_with_its_confidence(shipped_policy):
     tools = mcp_tools()
-    out = WorldModel(policy).rehearse(tools, first_message(), {"name": "ls", "arguments": {}})
+    out = WorldModel(shipped_policy).rehearse(tools, first_message(), {"name": "ls", "arguments": {}})
     assert out.valid and out.predicted is not None and out.call == {"name": "ls", "arguments": {}}
     assert out.predicted_text.startswith("<execution_result>")
     assert 0 < out.confidence <= 1
     # Arguments that fail the tool's schema are refused at the boundary (issue 38), before the model runs.
     with pytest.raises(WorldModelInputError, match="call.arguments do not fit the inputSchema of cd: folder: 3"):
-        WorldModel(policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
+        WorldModel(shipped_policy).rehearse(tools, first_message(), {"name": "cd", "arguments": {"folder": 3}})
 
 
 @pytest.mark.slow
-def test_the_inspector_is_an_mcp_server_with_rehearse_and_propose(policy, tmp_path):
+def test_the_inspector_is_an_mcp_server_with_rehearse_and_propose(shipped_policy, tmp_path):
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
     from app.ui import build_demo
 
-    demo = build_demo(db_path=str(tmp_path / "mcp.db"), policy_loader=lambda model, adapter: policy, mcp=True)
+    demo = build_demo(db_path=str(tmp_path / "mcp.db"), policy_loader=lambda model, adapter: shipped_policy, mcp=True)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, mcp_server=True, quiet=True)
 
