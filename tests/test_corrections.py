@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from app.service.forms import InputError
 from app.store import Recorder, Store
 from app.trace_io import TraceFileError, export_episodes, import_records, parse_traces
 from app.training import service as training_service
-from app.formats import canonical_call
+from app.formats import canonical_call, rehearse_target
 from app.training.figures import comparison_rows
 from app.training.finetune import (CORRECTED, OTHERS, FinetuneError, FinetuneRequest, build_rows, select_corrections,
                                    summarize_unseen, trained_calls, unseen_probe, validate_request, wilson)
@@ -335,13 +336,39 @@ def test_the_unseen_probe_holds_no_trained_call_and_splits_by_tool() -> None:
     assert all(row.role == "rehearse" and row.source == "expert" for _, row in first[CORRECTED] + first[OTHERS])
     again = unseen_probe(counting, {"cd", "mkdir"}, set(), 40, seed=0)
     assert [r.ref for _, r in again[OTHERS]] == [r.ref for _, r in first[OTHERS]]  # a fixed sample
-    # A call the fine-tune trained on is not unseen: trained, it leaves the probe.
-    trained_ref = first[CORRECTED][0][1].ref
+    # A transition the fine-tune trained on is not unseen: trained, it leaves the probe.
+    trained_ref, trained_row = first[CORRECTED][0][1].ref, first[CORRECTED][0][1]
     episode = expert_episode(envs.load_task(trained_ref.split("/")[0].removeprefix("expert-")))
-    trained = canonical_call(episode.steps[int(trained_ref.split("/")[1])].branches[0].call)
+    trained = (canonical_call(episode.steps[int(trained_ref.split("/")[1])].branches[0].call), trained_row.target)
     without = unseen_probe(counting, {"cd", "mkdir"}, {trained}, 40, seed=0)
     assert trained_ref not in {r.ref for _, r in without[CORRECTED]}
     assert len(without[CORRECTED]) == len(first[CORRECTED]) - 1
+
+
+def test_an_argument_free_call_is_measured_in_every_state_it_was_called_in() -> None:
+    """`ls()` answers with the folder it runs in: its calls are one canonical call but many transitions. A fine-tune
+    that trained on one of them still has the others to be measured on."""
+    counting = PromptContext(lambda text: len(text) // 4 + 1, 32768)
+    episodes: dict[str, Any] = {}
+
+    def transitions(rows: list) -> list[tuple[str, str]]:
+        out = []
+        for _, row in rows:
+            task_id, step = row.ref.removeprefix("expert-").split("/")[:2]
+            episode = episodes.setdefault(task_id, expert_episode(envs.load_task(task_id)))
+            out.append((canonical_call(episode.steps[int(step)].branches[0].call), row.target))
+        return out
+
+    probe = transitions(unseen_probe(counting, {"ls"}, set(), 100, seed=0)[CORRECTED])
+    by_call: dict[str, set[str]] = {}
+    for call_key, target in probe:
+        by_call.setdefault(call_key, set()).add(target)
+    key, targets = max(by_call.items(), key=lambda kv: len(kv[1]))
+    assert len(targets) >= 2, by_call  # one argument-free call, several responses: each is measured
+    trained = (key, sorted(targets)[0])
+    left = transitions(unseen_probe(counting, {"ls"}, {trained}, 100, seed=0)[CORRECTED])
+    assert trained not in left and len(left) == len(probe) - 1
+    assert {t for c, t in left if c == key} == targets - {trained[1]}
 
 
 def test_trained_calls_are_the_corrected_branches_calls(kv) -> None:
@@ -349,10 +376,10 @@ def test_trained_calls_are_the_corrected_branches_calls(kv) -> None:
     ids = branch_ids(store, ep.id)
     save_annotation(store, ids[1], "major", "null", "", "", "tester")
     save_annotation(store, ids[0], "major", "", call("delete", key="size"), "", "tester")
-    tools, calls = trained_calls(store, select_corrections(store))
+    tools, trained = trained_calls(store, select_corrections(store))
     assert tools == {"get", "delete"}
-    assert calls == {canonical_call(Call(name="get", arguments={"key": "color"})),
-                     canonical_call(Call(name="delete", arguments={"key": "size"}))}
+    # Only the corrected response trains a Rehearse row (the corrected action trains an Act row).
+    assert trained == {(canonical_call(Call(name="get", arguments={"key": "color"})), rehearse_target(None))}
 
 
 def test_the_verdict_names_each_corrected_tool_and_the_others_with_an_interval() -> None:

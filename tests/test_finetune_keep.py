@@ -14,7 +14,7 @@ from scripted import branch_ids, stored_mock_episode
 
 from app import envs
 from app.cli.main import main
-from app.formats import canonical_call
+from app.formats import canonical_call, rehearse_target
 from app.records import Annotation, Call
 from app.store import Store
 from app.training import service
@@ -50,17 +50,19 @@ def _call_of(ref: str) -> str:
 def test_replay_rows_come_in_the_stated_ratio_from_the_training_split_and_are_seeded() -> None:
     corrections = [correction("rehearse", i) for i in range(4)] + [correction("act", i) for i in range(2)]
     cd = Call(name="cd", arguments={"folder": "document"})
-    replay, selection = training_sample(CTX, corrections, 1.5, {"cd"}, {canonical_call(cd)}, 3, seed=7)
+    trained = (canonical_call(cd), rehearse_target({"current_working_directory": "document"}))
+    replay, selection = training_sample(CTX, corrections, 1.5, {"cd"}, {trained}, 3, seed=7)
     assert sum(r.role == "rehearse" for r in replay) == 6 and sum(r.role == "act" for r in replay) == 3
     assert {r.source for r in replay} == {REPLAY_SOURCE}
     assert {task_of(r.ref) for r in replay} <= TRAIN_TASKS  # the shipped adapter's own data, never held-out
-    again, _ = training_sample(CTX, corrections, 1.5, {"cd"}, {canonical_call(cd)}, 3, seed=7)
-    other, _ = training_sample(CTX, corrections, 1.5, {"cd"}, {canonical_call(cd)}, 3, seed=8)
+    again, _ = training_sample(CTX, corrections, 1.5, {"cd"}, {trained}, 3, seed=7)
+    other, _ = training_sample(CTX, corrections, 1.5, {"cd"}, {trained}, 3, seed=8)
     assert [r.ref for r in again] == [r.ref for r in replay] and [r.ref for r in other] != [r.ref for r in replay]
     # Validation calls: the corrected tool's and the others', none a replay row or a trained call.
     assert len(selection[CORRECTED]) == 3 and {t for t, _ in selection[CORRECTED]} == {"cd"}
     assert len(selection[OTHERS]) == 3 and "cd" not in {t for t, _ in selection[OTHERS]}
-    assert canonical_call(cd) not in {_call_of(r.ref) for _, r in selection[CORRECTED]}
+    assert trained not in {(_call_of(r.ref), r.target) for _, r in selection[CORRECTED]}
+    assert canonical_call(cd) not in {_call_of(r.ref) for r in replay if r.role == "rehearse"}
     picked = {r.ref for items in selection.values() for _, r in items}
     assert not picked & {r.ref for r in replay}
     assert {task_of(ref) for ref in picked} <= TRAIN_TASKS
@@ -68,7 +70,8 @@ def test_replay_rows_come_in_the_stated_ratio_from_the_training_split_and_are_se
 
 def test_no_replay_row_rehearses_a_trained_call() -> None:
     ep = expert_episode(envs.load_task(sorted(TRAIN_TASKS)[0]))
-    trained = {canonical_call(b.call) for s in ep.steps for b in s.branches if b.call is not None}
+    trained = {(canonical_call(b.call), rehearse_target(b.actual)) for s in ep.steps for b in s.branches
+               if b.call is not None}
     corrections = [correction("rehearse", i) for i in range(10)]
     replay, _ = training_sample(CTX, corrections, 2.0, set(), trained, 0, seed=0)
     assert len(replay) == 20
@@ -76,7 +79,7 @@ def test_no_replay_row_rehearses_a_trained_call() -> None:
     for task_id in {task_of(r.ref) for r in replay}:
         e = expert_episode(envs.load_task(task_id))
         calls.update({f"{e.id}/{s.index}/{b.index}": b.call for s in e.steps for b in s.branches if b.call})
-    assert not {canonical_call(calls[r.ref]) for r in replay} & trained
+    assert not {canonical_call(calls[r.ref]) for r in replay} & {c for c, _ in trained}  # in no state at all
 
 
 def test_ratio_zero_gives_no_replay() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app import envs
-from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result
+from app.formats import REHEARSE_STOP, canonical_call, canonical_json, parse_action, parse_result, rehearse_target
 from app.records import Annotation, Episode, utcnow
 from app.store import Store
 from app.training.rows import (CorrectionError, PromptContext, correction_rows, episode_rows, expert_episode,
@@ -295,9 +295,16 @@ def heldout_rows(ctx: PromptContext, n: int, seed: int = 0) -> list[Any]:
 # ---------------------------------------------------------------- unseen calls: does it fix the tool, keep the rest?
 
 
-def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set[str]]:
-    """(tools, canonical calls) the corrections train on: each corrected branch's call, or its corrected call."""
-    tools, calls = set(), set()
+Transition = tuple[str, str]
+"""(canonical call, Rehearse target text): one real transition, as a Rehearse row trains or measures it. The
+same call in another state (`ls()` in another folder) is another transition."""
+
+
+def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set[Transition]]:
+    """(tools, transitions) the corrections train on. Tools: each corrected branch's tool, or its corrected call's.
+    Transitions: each Rehearse row's (call, target), the corrected response (or, for a label alone, the real one)."""
+    tools: set[str] = set()
+    trained: set[Transition] = set()
     for s in selected:
         _, branch = store.get_branch(s.branch_id)
         call = branch.call if branch.kind == "call" else None
@@ -305,19 +312,22 @@ def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set
             fixed = parse_corrected_action(s.annotation, s.annotation_id)
             if fixed.call is not None:
                 tools.add(fixed.call.name)
-                calls.add(canonical_call(fixed.call))
+                call = call or fixed.call
         if call is not None and (s.annotation.corrected_predicted_set or not s.annotation.corrected):
+            value = s.annotation.corrected_predicted if s.annotation.corrected_predicted_set else branch.actual
             tools.add(call.name)
-            calls.add(canonical_call(call))
-    return tools, calls
+            trained.add((canonical_call(call), rehearse_target(value)))
+    return tools, trained
 
 
-def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[str], n: int, seed: int = 0,
+def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[Transition], n: int, seed: int = 0,
                  task_ids: list[str] | None = None) -> dict[str, list[tuple[str, Any]]]:
     """Rehearse rows of real transitions never trained on, as {group: [(tool, row)]}: up to `n` calls of the
     corrected `tools` and a fixed sample of `n` calls of the other tools, from the expert replays of the first
     `UNSEEN_TASKS` held-out BFCL tasks (never trained on; the same rows for every fine-tune with the same seed).
-    A call equal to a trained one (`trained`, canonical) is not unseen and is left out."""
+    A transition the fine-tune trained on (`trained`: call and target) is not unseen and is left out; each
+    transition counts once, and the same call in another state is another one (an argument-free `pwd()` or
+    `ls()` is measured in every state it was called in)."""
     if n <= 0:
         return {CORRECTED: [], OTHERS: []}
     ids = task_ids if task_ids is not None else envs.list_tasks("multi_turn_base", "heldout")[:UNSEEN_TASKS]
@@ -330,9 +340,9 @@ def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[str], n: int,
         call = calls.get(row.ref)
         if row.role != "rehearse" or call is None:
             continue
-        key = canonical_call(call)
+        key = (canonical_call(call), row.target)
         if key in trained or key in seen:
-            continue  # a trained call is not unseen; a repeated one counts once
+            continue  # a trained transition is not unseen; a repeated one counts once
         seen.add(key)
         pool[CORRECTED if call.name in tools else OTHERS].append((call.name, row))
     rng = random.Random(seed)
@@ -430,22 +440,23 @@ def _calls(episode: Episode) -> dict[str, Any]:
             if b.call is not None}
 
 
-def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, tools: set[str], trained: set[str],
+def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, tools: set[str], trained: set[Transition],
                     selection: int, seed: int = 0) -> tuple[list[Any], dict[str, list[tuple[str, Any]]]]:
     """(replay rows, validation calls) from expert replays of the BFCL training split, in a seeded task order.
 
     Replay: `round(ratio * k)` rows of each role the corrections have `k` rows of, sampled (seeded) from the
-    rows the shipped adapter was trained on, never a Rehearse row of a trained call (it could contradict a
-    correction). Validation: up to `selection` Rehearse rows per group (the corrected `tools`, the others), from
-    the tasks after the replay's, never a trained call nor a replay row's transition, each transition once; the
+    rows the shipped adapter was trained on, never a Rehearse row of a trained call, in any state (it could
+    contradict a correction). Validation: up to `selection` Rehearse rows per group (the corrected `tools`, the
+    others), from the tasks after the replay's, never a trained transition nor a replay row's, each once; the
     checkpoints are measured on them, so the reported unseen calls (held-out split) play no part in choosing the
     steps.
     """
     rng = random.Random(seed)
+    trained_call_keys = {c for c, _ in trained}
     want = {role: round(ratio * sum(r.role == role for r in corrections)) for role in ("act", "rehearse")}
     pool: dict[str, list[Any]] = {"act": [], "rehearse": []}
     picked: dict[str, list[tuple[str, Any]]] = {CORRECTED: [], OTHERS: []}
-    seen: set[tuple[str, str]] = set()  # (call, target) of the replay's Rehearse rows: never a validation call
+    seen: set[Transition] = set(trained)  # the trained and the replay's transitions: never a validation call
     replays = _training_replays(seed)
     for task, episode in replays:  # the replay's tasks: until each role's pool holds 3x what it needs
         if all(len(pool[role]) >= 3 * n for role, n in want.items()):
@@ -453,7 +464,7 @@ def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, to
         calls = _calls(episode)
         for row in _replay_rows(task, episode, ctx):
             call = calls.get(row.ref)
-            if row.role == "rehearse" and call is not None and canonical_call(call) in trained:
+            if row.role == "rehearse" and call is not None and canonical_call(call) in trained_call_keys:
                 continue
             pool[row.role].append(row)
             if call is not None and row.role == "rehearse":
@@ -469,7 +480,7 @@ def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, to
                 continue
             for row in _replay_rows(task, episode, ctx):
                 call = calls.get(row.ref)
-                if row.role != "rehearse" or call is None or canonical_call(call) in trained:
+                if row.role != "rehearse" or call is None:
                     continue
                 key = (canonical_call(call), row.target)  # one transition once; `ls()` in another state is another
                 group = CORRECTED if call.name in tools else OTHERS
