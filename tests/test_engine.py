@@ -322,7 +322,7 @@ def test_relevance_top_scores_the_direct_scores_first_tools_only():
                       name_scores=RANKS, relevance={"delete": 10.0, "list_keys": 0.0},
                       arguments={"delete": {"key": "size"}})
         step = r.step()
-        return step.branches[0].call.name, r._relevance_cache
+        return step.branches[0].call.name, r.planner.relevance_cache
 
     name, asked = primary(2)
     assert name == "list_keys" and sorted(k[1] for k in asked) == ["get", "list_keys"]
