@@ -225,7 +225,8 @@ class EpisodeRunner:
     def compute_ahead(self, cancel: threading.Event | None = None) -> bool:
         """Compute the next step ahead of time, while a person reads the last one, so that `step()` then only
         commits: its model calls run now on a scratch copy of the runner (the environment forked, the history
-        and the turn's calls copied, the next user turn opened on the copy where the last one closed), and the
+        and the turn's calls copied, the next user turn opened on the copy where the last one closed; its planner
+        a copy planning with the bare policy, whose new relevance scores the runner's planner keeps), and the
         policy keeps their results for the step that makes the same calls (`computing_ahead`; scores are kept
         anyway). Nothing of the episode changes. Where `cancel` is set, it stops before its next model call
         (the one running finishes, and is kept), as it does while a step of another session waits for the
