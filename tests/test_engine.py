@@ -296,10 +296,11 @@ def test_a_rehearser_passed_in_replaces_the_models_prediction():
 
 def test_step_scratch_state_does_not_outlive_the_step():
     r, _ = runner([[call("set", key="a", value=1), call("get", key="size")], ["Done."]])
-    before = set(vars(r))
+    before, planner_before = set(vars(r)), set(vars(r.planner))
     r.step()
     r.step()
     assert set(vars(r)) == before  # prompts, forks and the dedup table live in the step's context
+    assert set(vars(r.planner)) == planner_before  # the planner's too
 
 
 # ---------------------------------------------------------------- the step planner on its own
