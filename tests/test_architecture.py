@@ -1,7 +1,8 @@
 """The layout the README describes: imports point one way, and the UI reaches the engine only
 through the service layer. Read from the source (AST), so a lazy in-function import counts too, and a
 relative import (`from .x import y`, `from .. import z`) is resolved to the module it names; imports under
-`if TYPE_CHECKING:` do not count (they never run)."""
+`if TYPE_CHECKING:` do not count (they never run), except where a test asks for them (`typing=True`): the engine
+has no circle even on paper."""
 import ast
 import re
 from pathlib import Path
@@ -21,13 +22,14 @@ def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str
     return out
 
 
-def imports(path: Path, known: dict[str, Path], name: str, packages: tuple[str, ...] = PACKAGES) -> set[str]:
+def imports(path: Path, known: dict[str, Path], name: str, packages: tuple[str, ...] = PACKAGES,
+            typing: bool = False) -> set[str]:
     """Modules of ours that `path` (module `name`) imports (a name imported from a package counts as its
-    submodule; a relative import counts from `name`'s package)."""
+    submodule; a relative import counts from `name`'s package); `typing`: imports under `if TYPE_CHECKING:` too."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    typing_only = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                        and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -46,9 +48,9 @@ def imports(path: Path, known: dict[str, Path], name: str, packages: tuple[str, 
     return out
 
 
-def graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+def graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES, typing: bool = False) -> dict[str, set[str]]:
     known = modules(root, packages)
-    return {name: imports(path, known, name, packages) - {name} for name, path in known.items()}
+    return {name: imports(path, known, name, packages, typing) - {name} for name, path in known.items()}
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -102,12 +104,30 @@ def test_relative_imports_are_resolved_and_their_circle_found(tmp_path):
     assert g == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub": set(), "pkg.sub.b": {"pkg.c", "pkg.sub.d"},
                  "pkg.sub.d": set(), "pkg.c": {"pkg.a"}}
     assert cycles(g) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    # Counting typing-only imports, `d`'s import of `a` is an edge, and closes a second way round.
+    typed = graph(tmp_path, ("pkg",), typing=True)
+    assert typed["pkg.sub.d"] == {"pkg.a"}
+    assert cycles(typed) == [["pkg.a", "pkg.c", "pkg.sub.b", "pkg.sub.d"]]
 
 
 def test_no_import_circles_in_app_or_model_backend():
     g = graph()
     assert "app.engine.runner" in g and "app.cli.main" in g and "model_backend.factory" in g
     assert cycles(g) == []
+
+
+def test_no_import_circle_in_the_engine_even_counting_typing_only_imports():
+    """The step planner and the strategies it runs never reach back into the episode runner (issue 40): a
+    strategy reads the step's planner, history and episode view from the `StepContext`, whose module imports
+    neither the planner nor the runner."""
+    g = graph(typing=True)
+    engine = {m: {d for d in deps if d.startswith("app.engine")} for m, deps in g.items() if m.startswith("app.engine")}
+    assert {"app.engine.runner", "app.engine.planner", "app.engine.context", "app.engine.modes"} <= set(engine)
+    assert cycles(engine) == []
+    assert not {"app.engine.runner", "app.engine.planner"} & engine["app.engine.context"]
+    assert "app.engine.runner" not in engine["app.engine.planner"]
+    users = {m for m, deps in engine.items() if "app.engine.runner" in deps}
+    assert users <= {"app.engine"}, users  # the package re-exports it; no other engine module needs it
 
 
 def test_the_ui_reaches_engine_envs_and_models_only_through_the_service_layer():

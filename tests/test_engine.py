@@ -5,9 +5,14 @@ import pytest
 
 from app import envs
 from app.engine import EpisodeRunner, episode_json
+from app.engine.history import turn_messages
+from app.engine.planner import StepPlanner, step_seed
 from app.engine.runner import NOT_EXECUTED_CANNOT_FORK, NOT_EXECUTED_SHADOW_OFF
-from app.records import RunSettings
+from app.envs.base import Tool
+from app.formats import HistoryItem, call_text
+from app.records import Call, RunSettings
 from app.store import Recorder, Store
+from model_backend.base import Generation
 from scripted import AheadPolicy, ScriptedPolicy
 
 
@@ -291,10 +296,90 @@ def test_a_rehearser_passed_in_replaces_the_models_prediction():
 
 def test_step_scratch_state_does_not_outlive_the_step():
     r, _ = runner([[call("set", key="a", value=1), call("get", key="size")], ["Done."]])
-    before = set(vars(r))
+    before, planner_before = set(vars(r)), set(vars(r.planner))
     r.step()
     r.step()
     assert set(vars(r)) == before  # prompts, forks and the dedup table live in the step's context
+    assert set(vars(r.planner)) == planner_before  # the planner's too
+
+
+# ---------------------------------------------------------------- the step planner on its own
+
+
+class SeedPolicy(ScriptedPolicy):
+    """Records the generation config of each Act call (the seed a step's candidates are drawn with)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.act_configs = []
+
+    def act(self, prompt, k, config):
+        self.act_configs.append(config)
+        return super().act(prompt, k, config)
+
+
+KV_TOOLS = [Tool(name="get", description="Read a key.", read_only=True,
+                 parameters={"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+            Tool(name="list_keys", description="List the keys.", read_only=True,
+                 parameters={"type": "object", "properties": {}})]
+
+
+def test_a_step_planner_plans_a_step_with_no_task_environment_or_judge():
+    """What the world model and the offline rehearsal use: a `StepPlanner` given tools and a conversation proposes
+    K candidates (duplicates folded), rehearses every call in one batched pass and picks one, with no Task,
+    Environment or judge anywhere and nothing executed; the seed is the step's (`step_seed`)."""
+    policy = SeedPolicy([[call("get", key="color"), call("list_keys"), call("get", key="color")]],
+                        predict=lambda text: {"error": "no such key"} if '"get"' in text else {"keys": ["size"]})
+    settings = RunSettings(mode="parallel", branches=3, selector="logprob", seed=5)
+    planner = StepPlanner(policy, settings)
+    earlier = Call(name="list_keys", arguments={})
+    history = [HistoryItem(role="user", content="What colour did I store?"),
+               HistoryItem(role="assistant", content=call_text(earlier), call=earlier),
+               HistoryItem(role="tool", content="", result={"keys": ["sky_colour"]})]
+    ctx = planner.context(4, KV_TOOLS, history)
+    chosen = planner.plan(ctx)
+    assert ctx.episode is None and ctx.history is history
+    get, keys = ctx.branches
+    assert (get.call.name, keys.call.name, get.duplicates) == ("get", "list_keys", 1)
+    assert [len(batch) for batch in policy.rehearse_calls] == [2] and ctx.rehearsals == 2
+    assert get.predicted == {"error": "no such key"} and keys.predicted == {"keys": ["size"]}
+    assert chosen == 1 and keys.scores["logprob"] > get.scores["logprob"]  # the foreseen error moved the choice
+    assert get.actual_source is None and keys.actual_source is None  # nothing ran
+    [(prompt, k)] = policy.act_calls
+    assert k == 3 and "What colour did I store?" in json.dumps(prompt.messages)
+    assert policy.act_configs[0].seed == step_seed(5, 4)
+    assert "sky_colour" in json.dumps(policy.rehearse_calls[0][0].messages)  # the conversation's real result
+
+
+def test_an_episodes_step_is_its_planners_plan_on_the_same_conversation():
+    """The runner plans through its planner: planning the step on the runner's conversation and tools alone gives
+    the same Act and Rehearse prompts and the same branches the runner's step got."""
+    actions = [[call("set", key="color", value="blue"), call("list_keys"), call("delete", key="size")]]
+    r, in_episode = runner([list(a) for a in actions])
+    step = r.step()
+    alone = ScriptedPolicy([list(a) for a in actions])
+    planner = StepPlanner(alone, r.settings)
+    ctx = planner.context(step.index, r.env.tools(), turn_messages(r.task, 0), step.state_before)
+    chosen = planner.plan(ctx)
+    assert alone.act_calls == in_episode.act_calls and alone.rehearse_calls == in_episode.rehearse_calls
+    assert chosen == step.chosen
+    assert [(b.action_text, b.predicted, b.scores) for b in ctx.branches] == [
+        (b.action_text, b.predicted, b.scores) for b in step.branches]
+
+
+def test_the_real_best_of_k_needs_an_episode():
+    """The fork rehearser and the outcome selector read the episode (its environment, judge and task): planned
+    outside one, a step is refused with a message that says so, before anything is proposed twice."""
+    from app.engine.context import StepContext
+    from app.engine.oracle import OutcomeSelector, oracle_settings
+    planner = StepPlanner(ScriptedPolicy([[call("get", key="a"), call("list_keys")]]),
+                          oracle_settings(RunSettings(branches=2)))
+    with pytest.raises(ValueError, match=r"^the fork rehearser \(real best-of-K\) needs an episode"):
+        planner.plan(planner.context(0, KV_TOOLS, [HistoryItem(role="user", content="hi")]))
+    ctx = StepContext(planner=planner, index=0, tools_list=KV_TOOLS, state_before={}, history=[])
+    answer = planner.parse_branches(ctx, [Generation(text="Hello.", token_logprobs=[-0.1])])
+    with pytest.raises(ValueError, match=r"^the outcome selector \(oracle\) needs an episode"):
+        OutcomeSelector().score(ctx, answer)
 
 
 def test_relevance_re_aims_the_primary_at_the_best_ranked_tool():
@@ -322,7 +407,7 @@ def test_relevance_top_scores_the_direct_scores_first_tools_only():
                       name_scores=RANKS, relevance={"delete": 10.0, "list_keys": 0.0},
                       arguments={"delete": {"key": "size"}})
         step = r.step()
-        return step.branches[0].call.name, r._relevance_cache
+        return step.branches[0].call.name, r.planner.relevance_cache
 
     name, asked = primary(2)
     assert name == "list_keys" and sorted(k[1] for k in asked) == ["get", "list_keys"]

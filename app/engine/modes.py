@@ -2,9 +2,9 @@
 
 Each mode is a function `(ctx) -> chosen index` that leaves every branch of the step in
 `ctx.branches`; the table of them by name is `strategies.MODE_TABLE`. They propose and
-rehearse through the runner (`generate`, `parse_branches`, `rehearse`) and score and
-choose through the runner's selector, so a mode knows nothing of which rehearser or
-selector it is given.
+rehearse through the step's planner (`ctx.planner`: `generate`, `parse_branches`, `rehearse`)
+and score and choose through the planner's selector, so a mode knows nothing of which
+rehearser or selector it is given.
 
 - `none`: the greedy action, committed without rehearsal.
 - `parallel`: K candidates in one batch, all rehearsed in one batch, the selector picks.
@@ -20,30 +20,30 @@ from app.engine.context import StepContext
 
 
 def none(ctx: StepContext) -> int:
-    runner = ctx.runner
-    ctx.branches = runner.parse_branches(ctx, runner.generate(ctx, 1))
+    planner = ctx.planner
+    ctx.branches = planner.parse_branches(ctx, planner.generate(ctx, 1))
     return 0
 
 
 def parallel(ctx: StepContext) -> int:
-    runner = ctx.runner
-    ctx.branches = runner.parse_branches(ctx, runner.generate(ctx, runner.settings.branches))
-    runner.rehearse(ctx, ctx.branches)
-    runner.selector.score(ctx, ctx.branches)
-    chosen = runner.selector.choose(ctx, ctx.branches)
-    if runner.settings.keep_primary and runner.selector.name != "oracle":
+    planner = ctx.planner
+    ctx.branches = planner.parse_branches(ctx, planner.generate(ctx, planner.settings.branches))
+    planner.rehearse(ctx, ctx.branches)
+    planner.selector.score(ctx, ctx.branches)
+    chosen = planner.selector.choose(ctx, ctx.branches)
+    if planner.settings.keep_primary and planner.selector.name != "oracle":
         chosen = selection.keep_primary(ctx.branches, chosen)
     return chosen
 
 
 def sequential(ctx: StepContext) -> int:
-    runner = ctx.runner
-    selector = runner.selector
+    planner = ctx.planner
+    selector = planner.selector
     memory: list[tuple[Any, Any]] = []
-    for attempt in range(runner.settings.branches):
+    for attempt in range(planner.settings.branches):
         # From the second attempt on, a sampled alternative stands in when greedy repeats itself.
-        generations = runner.generate(ctx, 1 if attempt == 0 else 2, memory=memory or None, attempt=attempt)
-        new = runner.parse_branches(ctx, generations)[:1]
+        generations = planner.generate(ctx, 1 if attempt == 0 else 2, memory=memory or None, attempt=attempt)
+        new = planner.parse_branches(ctx, generations)[:1]
         if not new:
             continue
         branch = new[0]
@@ -52,14 +52,14 @@ def sequential(ctx: StepContext) -> int:
             if branch.kind == "answer":
                 return branch.index
             continue
-        runner.rehearse(ctx, [branch])
+        planner.rehearse(ctx, [branch])
         selector.score(ctx, [branch])
         if not selection.predicts_failure(branch, selector.name, branch.scores.get(selector.score_key, 0)):
             return branch.index
         memory.append((branch.call, branch.predicted))
     if not ctx.branches:  # every attempt repeated an earlier one: commit the greedy primary
         ctx.seen = {}
-        ctx.branches = runner.parse_branches(ctx, runner.generate(ctx, 1))
+        ctx.branches = planner.parse_branches(ctx, planner.generate(ctx, 1))
         return 0
     return selection.choose(ctx.branches, selector.score_key)
 

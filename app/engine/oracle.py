@@ -15,17 +15,14 @@ its fork, and is counted once).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from app import envs
-from app.engine.context import StepContext
+from app.engine.context import EpisodeView, StepContext
 from app.engine.selection import PARSE_ERROR_SCORE, choose
 from app.envs.base import Environment
 from app.formats import canonical_call
 from app.records import Branch, Call, RunSettings
-
-if TYPE_CHECKING:
-    from app.engine.runner import EpisodeRunner
 
 ORACLE = "oracle"
 # Outcome scores, best first; ties go to the lower index (the greedy primary), as in `selection.choose`.
@@ -65,7 +62,8 @@ def oracle_settings(base: RunSettings) -> RunSettings:
 class OutcomeSelector:
     """Scores each branch by its real outcome on its fork (`ForkRehearser` ran it); the best is committed.
 
-    Needs the forks: the runner refuses `selector="oracle"` with a rehearser that does not execute.
+    Needs the forks: the planner refuses `selector="oracle"` with a rehearser that does not execute. Needs the
+    episode (`ctx.episode`: its judge, task and turn): a step planned outside one is refused (ValueError).
     """
 
     name = score_key = ORACLE
@@ -78,32 +76,32 @@ class OutcomeSelector:
         return choose(branches, ORACLE)
 
     def _outcome(self, ctx: StepContext, b: Branch) -> float:
-        runner = ctx.runner
+        episode = ctx.require_episode("the outcome selector (oracle)")
         if b.kind == "parse_error":
             return PARSE_ERROR_SCORE
         if b.kind == "answer":
-            return TURN_PASSES if _turn_passes(runner, runner.env, runner.turn_executed) else EARLY_ANSWER
+            return TURN_PASSES if _turn_passes(episode, episode.env, episode.turn_executed) else EARLY_ANSWER
         assert b.call is not None
-        executed = runner.turn_executed + [(b.call.name, b.call.arguments, b.actual)]
-        if _turn_passes(runner, ctx.forks[b.index], executed):
+        executed = episode.turn_executed + [(b.call.name, b.call.arguments, b.actual)]
+        if _turn_passes(episode, ctx.forks[b.index], executed):
             return TURN_PASSES
-        if canonical_call(b.call) in _remaining_gold(runner):
+        if canonical_call(b.call) in _remaining_gold(episode):
             return GOLD_CALL
         return CALL_ERROR if b.actual_error else CALL_OK
 
 
-def _turn_passes(runner: EpisodeRunner, env: Environment, executed: list[tuple[str, dict[str, Any], Any]]) -> bool:
+def _turn_passes(episode: EpisodeView, env: Environment, executed: list[tuple[str, dict[str, Any], Any]]) -> bool:
     """The turn's check on `env` if the turn ended now (on a copy of the judge: checks replay gold)."""
-    judge = copy.deepcopy(runner.judge, {id(runner.task): runner.task})
-    return judge.check_turn(runner.turn, env, executed).success
+    judge = copy.deepcopy(episode.judge, {id(episode.task): episode.task})
+    return judge.check_turn(episode.turn, env, executed).success
 
 
-def _remaining_gold(runner: EpisodeRunner) -> list[str]:
+def _remaining_gold(episode: EpisodeView) -> list[str]:
     """The turn's ground-truth calls (canonical) minus those already committed, as a multiset."""
-    truth = runner.task.ground_truth or []
-    gold = truth[runner.turn] if runner.turn < len(truth) else []
-    keys = gold_keys(gold, getattr(runner.env, "param_names", None))
-    for name, args, _ in runner.turn_executed:
+    truth = episode.task.ground_truth or []
+    gold = truth[episode.turn] if episode.turn < len(truth) else []
+    keys = gold_keys(gold, getattr(episode.env, "param_names", None))
+    for name, args, _ in episode.turn_executed:
         key = canonical_call(Call(name=name, arguments=args))
         if key in keys:
             keys.remove(key)

@@ -8,7 +8,9 @@
 
 A rehearser fills `Branch.predicted*` (model) or `Branch.actual*` with `actual_source="shadow"`
 (fork) for every call branch that has neither, and records what the step needs later in the
-`StepContext` (prompts for the surprise score, forks for outcome scoring).
+`StepContext` (prompts for the surprise score, forks for outcome scoring). The model reads the step's
+conversation (`ctx.history`) through the step's planner (`ctx.planner`); forks need the episode's
+environment (`ctx.episode`), so the `ForkRehearser` runs in an episode only.
 """
 from __future__ import annotations
 
@@ -37,20 +39,20 @@ class ModelRehearser:
     executes = False
 
     def rehearse(self, ctx: StepContext, branches: list[Branch]) -> int:
-        runner = ctx.runner
-        settings = runner.settings
+        planner = ctx.planner
+        settings = planner.settings
         todo = [b for b in branches if b.kind == "call" and b.predicted_text is None]
         if not todo:
             return 0
         # Rehearsal happens before the commit, so the pre-step state is the state to show.
         state = ctx.state_before if settings.rehearsal_context == "history+state" else None
         for b in todo:  # the real transitions each prediction is conditioned on (shown on its card)
-            b.memory = runner.recall(b.call)
-        prompts = [rehearse_prompt(ctx.tools.get(b.call.name), b.call, runner.history, state,
+            b.memory = planner.recall(b.call)
+        prompts = [rehearse_prompt(ctx.tools.get(b.call.name), b.call, ctx.history, state,
                                    constrain=settings.constrain, examples=b.memory) for b in todo]
         config = GenerationConfig(max_new_tokens=settings.max_rehearsal_tokens, temperature=0.0,
                                   seed=settings.seed, stop=REHEARSE_STOP)
-        for branch, prompt, gen in zip(todo, prompts, runner.policy.rehearse(prompts, config)):
+        for branch, prompt, gen in zip(todo, prompts, planner.policy.rehearse(prompts, config)):
             branch.predicted_text = gen.text
             branch.predicted, error = parse_result(gen.text)
             ctx.predicted_valid[branch.index] = error is None
@@ -67,7 +69,7 @@ class ForkRehearser:
     def rehearse(self, ctx: StepContext, branches: list[Branch]) -> int:
         for b in branches:
             if b.kind == "call" and b.call is not None and b.actual_source is None:
-                fork = ctx.runner.env.fork()
+                fork = ctx.require_episode("the fork rehearser (real best-of-K)").env.fork()
                 result = fork.call(b.call.name, b.call.arguments)
                 b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
                 b.shadow_state_after = fork.state()

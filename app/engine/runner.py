@@ -1,14 +1,16 @@
 """The episode loop: for each user turn, steps until the agent answers or the budget ends.
 
-A step: Act proposes K candidates -> each call is rehearsed (one batched pass) -> the
-selector scores them -> every non-chosen call runs on its own fork of the pre-step state
-(shadow execution, inspection only; read-only calls only where the environment cannot
-fork) -> the chosen one is committed to the real environment -> divergence
-metrics for every branch that has both a prediction and an actual response.
+A step: the `StepPlanner` plans the decision (Act proposes K candidates -> each call is rehearsed,
+one batched pass -> the selector scores them and picks one) -> every non-chosen call runs on its
+own fork of the pre-step state (shadow execution, inspection only; read-only calls only where the
+environment cannot fork) -> the chosen one is committed to the real environment -> the planner
+measures divergence for every branch that has both a prediction and an actual response.
 
-The runner owns the loop, the commit and the counts; how a step proposes and picks is
-looked up by name (`strategies.MODE_TABLE`, `strategies.SELECTOR_TABLE`), and what fills in
-a candidate's response is the `Rehearser` passed in (the model's prediction by default).
+The runner owns the episode: its turns (scripted and typed), resume, computing the next step ahead,
+shadow execution, the commit, the judge, the counts and what the memory observes. What a decision
+needs from the model (prompts, seeds, proposals, dedup, rehearsal, selection, the relevance cache)
+is the planner's (`planner.py`), which the runner builds and hands each step's `StepContext` with
+the conversation so far and a view of the episode (`EpisodeView`, for the outcome selector).
 A step's scratch state lives in its `StepContext`, never on the runner.
 """
 from __future__ import annotations
@@ -22,21 +24,15 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from app import envs
-from app.divergence import compare, mean_nll
-from app.engine import proposals, strategies
-from app.engine.context import StepContext
+from app.engine.context import EpisodeView
+from app.engine.history import TYPED_USER_MESSAGE, committed_messages, turn_messages, with_typed_turns
 from app.engine.memory import MemoryScope, RehearsalMemory, observed
-from app.engine.history import (TYPED_USER_MESSAGE, call_required, committed_messages, latest_request,
-                                turn_messages, with_typed_turns)
-from app.engine.proposals import TOOL_SCORE
+from app.engine.planner import StepPlanner
 from app.engine.rehearsers import Rehearser
 from app.envs.base import Environment, Task, Tool
-from app.formats import (ACT_STOP, TOOL_CALL_OPEN, HistoryItem, act_prompt, branch_key, canonical_json,
-                         parse_action, rehearse_target)
-from app.records import (Branch, Call, EndReason, Episode, MemoryHit, RunSettings, Step, TurnEnd, TurnResult,
-                         utcnow)
-from model_backend.base import (AheadStopped, Generation, GenerationConfig, Policy, Prompt, RemoteCapabilityError,
-                                Timings)
+from app.formats import HistoryItem, canonical_json
+from app.records import Branch, EndReason, Episode, RunSettings, Step, TurnEnd, TurnResult, utcnow
+from model_backend.base import AheadStopped, Policy, Timings
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +40,6 @@ StepCallback = Callable[[Episode, Step], None]
 NOT_EXECUTED_SHADOW_OFF = "shadow execution off"
 NOT_EXECUTED_CANNOT_FORK = ("the tool is not marked read-only, and this environment's forks share its real backend "
                             "(e.g. a remote MCP server), so only read-only calls run on them")
-
-
-def step_seed(seed: int, step_index: int, attempt: int = 0) -> int:
-    """A distinct, reproducible seed per step (and per sequential attempt)."""
-    return (seed * 1_000_003 + step_index * 101 + attempt) % (2**31 - 1)
 
 
 class EpisodeRunner:
@@ -59,21 +50,17 @@ class EpisodeRunner:
                  on_step: StepCallback | None = None, env: Environment | None = None,
                  judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None,
                  memory: RehearsalMemory | None = None, exclude_own_task: bool = False) -> None:
-        if settings.relevance > 0 and not policy.supports_scoring:
-            # The ranking scores tool names and requests (prompt log-probabilities); a server without them
-            # runs with the greedy action's tool, and the episode's settings say so.
-            log.warning("%s cannot score prompts: tool relevance off for this episode", policy.name)
-            settings = settings.model_copy(update={"relevance": 0.0})
-        self.rehearser: Rehearser = rehearser if rehearser is not None else strategies.rehearser_for(settings)
-        """Fills in candidates' responses: the model's prediction, or (real best-of-K) execution on forks."""
-        strategies.check_settings(settings, self.rehearser)
-        self.selector = strategies.SELECTOR_TABLE[settings.selector]
-        self.task, self.policy, self.settings = task, policy, settings
+        self.task = task
+        episode_id = episode_id or uuid.uuid4().hex[:12]
+        # Evaluation (`exclude_own_task`): never retrieve this task's transitions from other episodes.
+        self.planner = StepPlanner(policy, settings, rehearser=rehearser, memory=memory,
+                                   scope=MemoryScope(settings.memory, task.id, episode_id, exclude_own_task))
+        """Plans each decision (propose, rehearse, select); the runner executes, commits and judges it."""
         self.env = env if env is not None else envs.make_env(task)
         self.judge = judge if judge is not None else envs.make_judge(task)
         self.on_step = on_step
-        self.episode = Episode(id=episode_id or uuid.uuid4().hex[:12], task_id=task.id,
-                               model=model or policy.name, adapter=adapter, settings=settings)
+        self.episode = Episode(id=episode_id, task_id=task.id, model=model or policy.name, adapter=adapter,
+                               settings=self.settings)
         self.history: list[HistoryItem] = []
         self.timings = Timings()
         """Seconds in tool execution per phase (`shadow`, `commit`); the model's own phases are the policy's."""
@@ -86,13 +73,9 @@ class EpisodeRunner:
         """Steps whose response differed when `resume` executed them again."""
         self.typed_turns: dict[int, str] = {}
         """User turns a person typed (`add_user_turn`), by turn index."""
-        self._relevance_cache: dict[tuple[str, str], float] = {}
-        """log P(request | tool) by (the open turn's request, tool name): `_relevance`."""
         self.memory = memory
-        """Real transitions the Rehearse prompts retrieve from (`settings.memory` says which); every real
-        response this episode observes is added to it. None: no retrieval, nothing remembered."""
-        self.exclude_own_task = exclude_own_task
-        """Evaluation: never retrieve this task's transitions from other episodes (`MemoryScope.exclude_task`)."""
+        """Real transitions the Rehearse prompts retrieve from (the planner's, `settings.memory` says which); every
+        real response this episode observes is added to it. None: no retrieval, nothing remembered."""
         self._ahead_s = 0.0
         self._ahead_for: tuple[int, str] | None = None
         """Seconds `compute_ahead` spent on the next step, and which step: (its index, the task's turns then); a
@@ -142,6 +125,15 @@ class EpisodeRunner:
         return runner
 
     # ------------------------------------------------------------ public loop
+
+    @property
+    def policy(self) -> Policy:
+        return self.planner.policy
+
+    @property
+    def settings(self) -> RunSettings:
+        """The episode's settings (tool relevance off where the policy cannot score: `StepPlanner`)."""
+        return self.planner.settings
 
     @property
     def done(self) -> bool:
@@ -233,7 +225,8 @@ class EpisodeRunner:
     def compute_ahead(self, cancel: threading.Event | None = None) -> bool:
         """Compute the next step ahead of time, while a person reads the last one, so that `step()` then only
         commits: its model calls run now on a scratch copy of the runner (the environment forked, the history
-        and the turn's calls copied, the next user turn opened on the copy where the last one closed), and the
+        and the turn's calls copied, the next user turn opened on the copy where the last one closed; its planner
+        a copy planning with the bare policy, whose new relevance scores the runner's planner keeps), and the
         policy keeps their results for the step that makes the same calls (`computing_ahead`; scores are kept
         anyway). Nothing of the episode changes. Where `cancel` is set, it stops before its next model call
         (the one running finishes, and is kept), as it does while a step of another session waits for the
@@ -247,11 +240,10 @@ class EpisodeRunner:
         if not self._turn_open and self.turn >= len(self.task.turns):
             return False
         scratch = copy.copy(self)
-        scratch.policy = inner
+        scratch.planner = self.planner.scratch(inner)
         scratch.env = self.env.fork()
         scratch.history, scratch.turn_executed = list(self.history), list(self.turn_executed)
         scratch.timings, scratch.on_step = Timings(), None
-        scratch._relevance_cache = dict(self._relevance_cache)
         stop = (cancel or threading.Event()).is_set
         target = self._ahead_target()
         started = time.perf_counter()
@@ -269,7 +261,7 @@ class EpisodeRunner:
             self._ahead_s += time.perf_counter() - started
             if hasattr(scratch.env, "close"):
                 scratch.env.close()
-        self._relevance_cache.update(scratch._relevance_cache)
+        self.planner.keep_relevance(scratch.planner)
         return True
 
     def _ahead_target(self) -> tuple[int, str]:
@@ -325,16 +317,6 @@ class EpisodeRunner:
             self.episode.success = all(t.success for t in results)
         self.episode.finished_at = utcnow()
 
-    @property
-    def memory_scope(self) -> MemoryScope:
-        return MemoryScope(self.settings.memory, self.task.id, self.episode.id, self.exclude_own_task)
-
-    def recall(self, call: Call) -> list[MemoryHit]:
-        """The real transitions a rehearsal of `call` is conditioned on (none without a memory)."""
-        if self.memory is None:
-            return []
-        return self.memory.retrieve(call, self.memory_scope, self.settings.memory_k)
-
     def _remember(self, step: Step) -> None:
         """Every real response of the step (committed, shadow) joins the memory, whatever `settings.memory`:
         what is observed is kept; the setting decides what is retrieved."""
@@ -349,86 +331,23 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------ one decision
 
-    def generate(self, ctx: StepContext, k: int, *, memory: list[tuple[Any, Any]] | None = None,
-                 attempt: int = 0) -> list[Generation]:
-        """K Act candidates for this step, with private rehearsals in view when `memory`; which tool the
-        primary calls (`settings.relevance`) and how the others differ (`settings.proposal`): `proposals`."""
-        prompt, config = self._act_prompt(ctx.tools_list, memory), self._act_config(ctx.index, attempt)
-        weight = self.settings.relevance
-        generations, log_p = proposals.propose(self.policy, prompt, ctx.tools_list, k, config, self.settings.proposal,
-                                               self._relevance if weight > 0 else None, weight,
-                                               self.settings.relevance_top)
-        ctx.tool_log_p.update(log_p)
-        return generations
-
-    def _relevance(self, tools: list[Tool]) -> dict[str, float]:
-        """`proposals.relevance` of the open turn's request for `tools`, each tool computed once a turn (the
-        ranking asks for the direct score's first tools, which a later step of the turn may change)."""
-        request = latest_request(self.history)
-        if any(key[0] != request for key in self._relevance_cache):  # a new turn: the last one's are no use
-            self._relevance_cache = {key: v for key, v in self._relevance_cache.items() if key[0] == request}
-        missing = [t for t in tools if (request, t.name) not in self._relevance_cache]
-        if missing:
-            for name, value in proposals.relevance(self.policy, request, missing).items():
-                self._relevance_cache[(request, name)] = value
-        return {t.name: self._relevance_cache[(request, t.name)] for t in tools}
-
-    @staticmethod
-    def key_of(generation: Generation) -> str:
-        """The dedup key of a candidate (`formats.branch_key` of its parsed action)."""
-        parsed = parse_action(generation.text)
-        return branch_key(parsed.kind, parsed.call, generation.text)
-
-    def parse_branches(self, ctx: StepContext, generations: list[Generation]) -> list[Branch]:
-        """New branches from candidates, numbered after `ctx.branches`; a candidate equal to one in
-        `ctx.seen` (same canonical call) is folded into it as a duplicate."""
-        out: list[Branch] = []
-        for gen in generations:
-            parsed = parse_action(gen.text)
-            key = branch_key(parsed.kind, parsed.call, gen.text)
-            if key in ctx.seen:
-                ctx.seen[key].duplicates += 1
-                continue
-            branch = Branch(index=len(ctx.branches) + len(out), action_text=gen.text, kind=parsed.kind,
-                            call=parsed.call, parse_error=parsed.error, sampled=gen.sampled,
-                            act_logprob=round(gen.mean_logprob, 5) if gen.token_logprobs else None)
-            if parsed.call is not None and parsed.call.name in ctx.tool_log_p:
-                branch.scores[TOOL_SCORE] = round(ctx.tool_log_p[parsed.call.name], 5)
-            ctx.seen[key] = branch
-            out.append(branch)
-        return out
-
-    def rehearse(self, ctx: StepContext, branches: list[Branch]) -> None:
-        """Fill in the response of every call branch through the runner's rehearser."""
-        ctx.rehearsals += self.rehearser.rehearse(ctx, branches)
-
-    def _act_prompt(self, tools: list[Tool], memory: list[tuple[Any, Any]] | None = None) -> Prompt:
-        prefill = TOOL_CALL_OPEN if call_required(self.settings.tool_choice, self.history) else ""
-        return act_prompt(tools, self.history, self.policy.count_tokens, self.policy.context_window,
-                          reserve=self.settings.max_action_tokens + 32, memory=memory, prefill=prefill,
-                          constrain=self.settings.constrain)
-
-    def _act_config(self, index: int, attempt: int = 0) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.settings.max_action_tokens,
-                                temperature=self.settings.temperature,
-                                seed=step_seed(self.settings.seed, index, attempt), stop=ACT_STOP)
-
     def _decide(self, state_before: dict[str, Any]) -> Step:
-        ctx = StepContext(runner=self, index=len(self.episode.steps), tools_list=self.env.tools(),
-                          state_before=state_before)
-        chosen = strategies.MODE_TABLE[self.settings.mode](ctx)
+        view = EpisodeView(task=self.task, env=self.env, judge=self.judge, turn=self.turn,
+                           turn_executed=self.turn_executed)
+        ctx = self.planner.context(len(self.episode.steps), self.env.tools(), self.history, state_before, view)
+        chosen = self.planner.plan(ctx)
         branches = ctx.branches
         branches[chosen].chosen = True
         with self.timings.phase("shadow"):
             shadow_calls = self._shadow(branches, chosen, ctx.tools)
         with self.timings.phase("commit"):
             external = self._commit(branches[chosen])
-        if self.rehearser.executes:  # its fork executions were the agent's own calls; the chosen one counts once
+        if self.planner.rehearser.executes:  # its fork executions were the agent's own calls; the chosen one counts once
             external += len(ctx.forks) - (1 if chosen in ctx.forks else 0)
         for fork in ctx.forks.values():  # an MCP fork holds a server process: end it with the step
             if hasattr(fork, "close"):
                 fork.close()
-        self.measure(ctx)
+        self.planner.measure(ctx)
         return Step(index=ctx.index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
                     state_after=self.env.state(), rehearsals=ctx.rehearsals,
@@ -488,23 +407,5 @@ class EpisodeRunner:
         self.history += committed_messages(branch, self.turn)
         return external
 
-    def measure(self, ctx: StepContext) -> None:
-        """Divergence metrics, with `surprise` from one batched scoring pass."""
-        measured = [b for b in ctx.branches if b.predicted_text is not None and b.actual_source is not None
-                    and b.index in ctx.rehearse_prompts]
-        if not measured:
-            return
-        try:
-            logprobs = self.policy.score([ctx.rehearse_prompts[b.index] for b in measured],
-                                         [rehearse_target(b.actual) for b in measured])
-        except RemoteCapabilityError:  # a server without prompt log-probabilities: no surprise
-            logprobs = [[] for _ in measured]
-        for b, lps in zip(measured, logprobs):
-            b.metrics = compare(b.predicted, ctx.predicted_valid[b.index], b.actual, surprise=_round(mean_nll(lps)))
 
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
-
-
-__all__ = ["EpisodeRunner", "NOT_EXECUTED_CANNOT_FORK", "NOT_EXECUTED_SHADOW_OFF", "step_seed"]
+__all__ = ["EpisodeRunner", "NOT_EXECUTED_CANNOT_FORK", "NOT_EXECUTED_SHADOW_OFF"]

@@ -7,14 +7,15 @@ policy, which writes the committed call). A branch whose rehearsal predicts an e
 penalised under every selector: foreseeing that failure is what rehearsal is for. With tools
 ranked, `logprob` keeps the primary unless its rehearsal predicts an error.
 
-Each selector is a small object (`Selector`): `score` writes `Branch.scores[score_key]`,
-`choose` returns the index to commit. The table of them by name is `strategies.SELECTOR_TABLE`;
+Each selector is a small object (`context.Selector`): `score` writes `Branch.scores[score_key]`,
+`choose` returns the index to commit; it reads the step's conversation (`ctx.history`) and
+asks the model through the step's planner (`ctx.planner`). The table of them by name is `strategies.SELECTOR_TABLE`;
 the evaluation-only `oracle` selector lives in `oracle.py`.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 from app.divergence import is_error
 from app.engine.context import StepContext
@@ -98,21 +99,6 @@ def keep_primary(branches: list[Branch], chosen: int) -> int:
     return 0
 
 
-class Selector(Protocol):
-    name: str
-    """The `RunSettings.selector` value that picks it."""
-    score_key: str
-    """The `Branch.scores` entry its ranking reads (the memory selector ranks by `logprob`)."""
-
-    def score(self, ctx: StepContext, branches: list[Branch]) -> None:
-        """Write `scores[score_key]` on each branch (its rehearsal already done)."""
-        ...
-
-    def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
-        """The index of the branch to commit."""
-        ...
-
-
 class LogprobSelector:
     """The Act role's mean token log-probability (no extra model pass)."""
 
@@ -137,8 +123,8 @@ class JudgeSelector:
     name = score_key = "judge"
 
     def score(self, ctx: StepContext, branches: list[Branch]) -> None:
-        history = ctx.runner.history
-        apply_scores(branches, "judge", judge_scores(ctx.runner.policy, latest_request(history), history, branches))
+        history = ctx.history
+        apply_scores(branches, "judge", judge_scores(ctx.planner.policy, latest_request(history), history, branches))
 
     def choose(self, ctx: StepContext, branches: list[Branch]) -> int:
         return choose(branches, self.score_key)
@@ -158,13 +144,13 @@ class MemorySelector(LogprobSelector):
         memory = [(b.call, b.predicted) for b in branches if b.kind == "call"]
         if not memory:
             return choose(branches, "logprob")
-        runner = ctx.runner
-        generation = runner.generate(ctx, 1, memory=memory, attempt=1)[0]
-        new = runner.parse_branches(ctx, [generation])
+        planner = ctx.planner
+        generation = planner.generate(ctx, 1, memory=memory, attempt=1)[0]
+        new = planner.parse_branches(ctx, [generation])
         if new:
             branches.extend(new)
-            runner.rehearse(ctx, new)
-        chosen = ctx.seen[runner.key_of(generation)].index
+            planner.rehearse(ctx, new)
+        chosen = ctx.seen[planner.key_of(generation)].index
         for b in branches:
             b.scores["memory"] = 1.0 if b.index == chosen else 0.0
         return chosen

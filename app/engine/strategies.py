@@ -1,7 +1,7 @@
-"""The tables the runner looks up by name: modes, selectors, and the rehearser a setting needs.
+"""The tables the step planner looks up by name: modes, selectors, and the rehearser a setting needs.
 
-`RunSettings.mode` names a function of `modes`, `RunSettings.selector` a `Selector`; the
-rehearser is passed into the runner (`rehearser_for(settings)` when none is given). The
+`RunSettings.mode` names a function of `modes`, `RunSettings.selector` a `context.Selector`; the
+rehearser is passed into the `StepPlanner` (`rehearser_for(settings)` when none is given). The
 real best-of-K baseline is therefore configuration: `selector="oracle"` scores by outcome
 and needs a rehearser that executes (`ForkRehearser`).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Callable
 
 from app.engine import modes
-from app.engine.context import StepContext
+from app.engine.context import Selector, StepContext
 from app.engine.oracle import ORACLE, OutcomeSelector
 from app.engine.rehearsers import ForkRehearser, ModelRehearser, Rehearser
-from app.engine.selection import JudgeSelector, LogprobSelector, MemorySelector, Selector
+from app.engine.selection import JudgeSelector, LogprobSelector, MemorySelector
 from app.records import RunSettings
 
 MODE_TABLE: dict[str, Callable[[StepContext], int]] = {

@@ -3,8 +3,9 @@
 For every committed call of a stored episode (one that ran, or one imported from a trace file) with its real
 response, the model predicts the response from the recorded history (teacher-forced: the history holds the
 recorded calls and their recorded responses, never the model's predictions), through the engine's own
-`ModelRehearser` on an `EpisodeRunner` over the step's tools (as `world_model.WorldModel` does), so prompts,
-constrained decoding, parsing, metrics and surprise have one owner. Optionally the model also proposes K
+`StepPlanner` (its `ModelRehearser`) on the recorded step's tools and history, with no episode, environment or
+judge (as `world_model.WorldModel` does), so prompts, constrained decoding, parsing, metrics and surprise have
+one owner. Optionally the model also proposes K
 alternatives at that step (Act, as a parallel step does): "what would this model have done here?"; they have no
 actual response (`NOT_EXECUTED_RECORDED`).
 
@@ -21,10 +22,8 @@ import os
 import time
 from typing import Any, Callable
 
-from app.engine.context import StepContext
 from app.engine.memory import observed
-from app.engine.runner import EpisodeRunner
-from app.engine.world_model import ConversationEnv, NoJudge
+from app.engine.planner import StepPlanner
 from app.envs.base import Task
 from app.formats import branch_key, canonical_json
 from app.records import Episode, Metrics, RunSettings, Step, Transition, TransitionSource, utcnow
@@ -78,8 +77,7 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
                       adapter=adapter, settings=settings, status="running", source_episode=source.id,
                       turn_results=[t.model_copy(deep=True) for t in source.turn_results],
                       trace=source.trace.model_copy(deep=True) if source.trace is not None else None)
-    runner = EpisodeRunner(task, policy, settings, model=model, adapter=adapter, env=ConversationEnv([]),
-                           judge=NoJudge(), episode_id=episode.id)
+    planner = StepPlanner(policy, settings)
     for view in replay(source, task, env):
         recorded = view.step.chosen_branch.model_copy(deep=True, update={
             "index": 0, "chosen": True, "predicted_text": None, "predicted": None, "metrics": Metrics(),
@@ -88,20 +86,19 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
                     state_before=view.step.state_before, state_after=view.step.state_after)
         if recorded.kind == "call" and recorded.call is not None and recorded.actual_source is not None:
             started = time.perf_counter()
-            runner.env, runner.history = ConversationEnv(view.tools), view.history  # teacher-forced
-            ctx = StepContext(runner=runner, index=view.step.index, tools_list=view.tools,
-                              state_before=view.step.state_before)
+            # Teacher-forced: the recorded step's tools and history.
+            ctx = planner.context(view.step.index, view.tools, view.history, view.step.state_before)
             ctx.branches = [recorded]
             ctx.seen[branch_key(recorded.kind, recorded.call, recorded.action_text)] = recorded
-            runner.rehearse(ctx, [recorded])
+            planner.rehearse(ctx, [recorded])
             if alternatives:  # the greedy action and K-1 sampled; one equal to the recorded call folds into it
-                fresh = runner.parse_branches(ctx, runner.generate(ctx, alternatives))
+                fresh = planner.parse_branches(ctx, planner.generate(ctx, alternatives))
                 for b in fresh:
                     if b.kind == "call":
                         b.not_executed = NOT_EXECUTED_RECORDED
                 ctx.branches += fresh
-                runner.rehearse(ctx, fresh)
-            runner.measure(ctx)  # the recorded branch only: the alternatives have no actual response
+                planner.rehearse(ctx, fresh)
+            planner.measure(ctx)  # the recorded branch only: the alternatives have no actual response
             step.branches, step.rehearsals = ctx.branches, ctx.rehearsals
             step.duration_s = round(time.perf_counter() - started, 3)
             if on_call is not None:

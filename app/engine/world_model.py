@@ -3,8 +3,9 @@
 `WorldModel.rehearse(tools, history, call)` predicts one call's response with a confidence;
 `WorldModel.propose(tools, history, k)` proposes K candidate calls and rehearses each, as one
 parallel step does (same prompts, the same constrained decoding, dedup and selector), without
-executing anything. Both run through an `EpisodeRunner` on a `ConversationEnv` (the caller's
-tools, no state, no execution), so there is one owner for prompts, parsing and scoring.
+executing anything. Both plan through the engine's `StepPlanner` on the caller's tools and conversation
+(no task, no environment, no judge: nothing is executed), so there is one owner for prompts, parsing and
+scoring.
 
 Inputs come from outside (an MCP client): tools in MCP form (`name`, `description`,
 `inputSchema`, optional `outputSchema` and `annotations.readOnlyHint`) or OpenAI function form
@@ -22,11 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.divergence import is_error
-from app.engine import modes
 from app.engine.context import StepContext
-from app.engine.runner import EpisodeRunner
-from app.envs.base import (Task, Tool, ToolResult, TurnCheck, argument_problems, schema_problem, schema_validator,
-                           without_null_optionals)
+from app.engine.planner import StepPlanner
+from app.envs.base import Tool, argument_problems, schema_problem, schema_validator, without_null_optionals
 from app.formats import HistoryItem, call_text, rehearse_target
 from app.records import Branch, Call, RunSettings
 from model_backend.base import Policy, RemoteCapabilityError
@@ -34,7 +33,6 @@ from model_backend.base import Policy, RemoteCapabilityError
 MAX_TOOLS = 64
 MAX_HISTORY = 200
 MAX_K = 8
-CONVERSATION_TASK_ID = "conversation:world-model"
 
 
 class WorldModelInputError(ValueError):
@@ -76,34 +74,6 @@ class Candidate:
     chosen: bool
     """The candidate the selector would commit."""
     rehearsal: Rehearsal | None
-
-
-class ConversationEnv:
-    """The caller's tools with no state and no execution: the world model only rehearses them."""
-
-    forkable = False
-
-    def __init__(self, tools: list[Tool]) -> None:
-        self._tools = tools
-
-    def tools(self) -> list[Tool]:
-        return list(self._tools)
-
-    def call(self, name: str, args: dict[str, Any]) -> ToolResult:
-        return ToolResult({"error": "the world model does not execute calls"}, error=True)
-
-    def fork(self) -> "ConversationEnv":
-        return self
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-
-class NoJudge:
-    """The judge of a step run outside any task (the world model endpoint, an offline rehearsal): judges nothing."""
-
-    def check_turn(self, turn_index: int, env: Any, executed: list) -> TurnCheck:
-        return TurnCheck(success=False, details={"judged": False})
 
 
 # ---------------------------------------------------------------- input
@@ -227,12 +197,11 @@ class WorldModel:
                          memory=memory_mode)
 
     def _step(self, tools: list[Tool], history: list[HistoryItem], k: int) -> StepContext:
+        """The context of one parallel step (index 0: the seeds of an episode's first step) over the caller's
+        tools and conversation, planned outside any episode."""
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", **self.base)
-        task = Task(id=CONVERSATION_TASK_ID, category="conversation", turns=[[]], env_classes=[])
-        runner = EpisodeRunner(task, self.policy, settings, env=ConversationEnv(tools), judge=NoJudge(),
-                               memory=self.memory)
-        runner.history = list(history)
-        return StepContext(runner=runner, index=0, tools_list=tools, state_before={})
+        planner = StepPlanner(self.policy, settings, memory=self.memory)
+        return planner.context(0, tools, list(history))
 
     def rehearse(self, tools: Any, history: Any, call: Any) -> Rehearsal:
         """The predicted response of `call` after `history`, with the model's confidence in it."""
@@ -242,7 +211,7 @@ class WorldModel:
         ctx = self._step(tool_list, parse_history(history), 1)
         branch = Branch(index=0, action_text=call_text(parsed), kind="call", call=parsed)
         ctx.branches = [branch]
-        ctx.runner.rehearse(ctx, ctx.branches)
+        ctx.planner.rehearse(ctx, ctx.branches)
         return self._rehearsals(ctx, ctx.branches)[0]
 
     def propose(self, tools: Any, history: Any, k: int = 4) -> list[Candidate]:
@@ -253,7 +222,7 @@ class WorldModel:
             raise WorldModelInputError(f"k must be a whole number from 1 to {MAX_K}; got {k!r}")
         tool_list = parse_tools(tools)
         ctx = self._step(tool_list, parse_history(history), int(k))
-        chosen = modes.parallel(ctx)
+        chosen = ctx.planner.plan(ctx)
         calls = [b for b in ctx.branches if b.kind == "call"]
         rehearsals = dict(zip((b.index for b in calls), self._rehearsals(ctx, calls)))
         return [Candidate(kind=b.kind, action_text=b.action_text,
@@ -280,5 +249,5 @@ def as_dict(value: Rehearsal | Candidate) -> dict[str, Any]:
     return asdict(value)
 
 
-__all__ = ["Candidate", "ConversationEnv", "Rehearsal", "WorldModel", "WorldModelInputError", "as_dict",
+__all__ = ["Candidate", "Rehearsal", "WorldModel", "WorldModelInputError", "as_dict",
            "parse_call", "parse_history", "parse_tools"]
