@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.envs.base import Environment, Task, Tool
+from app.envs.base import Environment, Judge, Task, Tool
 from app.formats import HistoryItem
 from app.records import Branch, Call, MemoryHit, RunSettings
 from model_backend.base import Generation, Policy, Prompt
@@ -67,7 +67,7 @@ class EpisodeView:
     task: Task
     env: Environment
     """The episode's environment in its pre-step state (forks start here; never called by a strategy)."""
-    judge: Any
+    judge: Judge
     """The episode's judge (`check_turn`); a strategy checks a copy (checks replay gold)."""
     turn: int
     """The open user turn."""

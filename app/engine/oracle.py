@@ -100,7 +100,7 @@ def _remaining_gold(episode: EpisodeView) -> list[str]:
     """The turn's ground-truth calls (canonical) minus those already committed, as a multiset."""
     truth = episode.task.ground_truth or []
     gold = truth[episode.turn] if episode.turn < len(truth) else []
-    keys = gold_keys(gold, getattr(episode.env, "param_names", None))
+    keys = gold_keys(gold, episode.env.param_names)
     for name, args, _ in episode.turn_executed:
         key = canonical_call(Call(name=name, arguments=args))
         if key in keys:

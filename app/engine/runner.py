@@ -29,7 +29,7 @@ from app.engine.history import TYPED_USER_MESSAGE, committed_messages, turn_mess
 from app.engine.memory import MemoryScope, RehearsalMemory, observed
 from app.engine.planner import StepPlanner
 from app.engine.rehearsers import Rehearser
-from app.envs.base import Environment, Task, Tool
+from app.envs.base import Environment, Judge, Task, Tool
 from app.formats import HistoryItem, canonical_json
 from app.records import Branch, EndReason, Episode, RunSettings, Step, TurnEnd, TurnResult, utcnow
 from model_backend.base import AheadStopped, Policy, Timings
@@ -48,7 +48,7 @@ class EpisodeRunner:
     def __init__(self, task: Task, policy: Policy, settings: RunSettings, *,
                  model: str | None = None, adapter: str | None = None,
                  on_step: StepCallback | None = None, env: Environment | None = None,
-                 judge: Any = None, episode_id: str | None = None, rehearser: Rehearser | None = None,
+                 judge: Judge | None = None, episode_id: str | None = None, rehearser: Rehearser | None = None,
                  memory: RehearsalMemory | None = None, exclude_own_task: bool = False) -> None:
         self.task = task
         episode_id = episode_id or uuid.uuid4().hex[:12]
@@ -83,7 +83,7 @@ class EpisodeRunner:
 
     @classmethod
     def resume(cls, episode: Episode, task: Task, policy: Policy, *, on_step: StepCallback | None = None,
-               env: Environment | None = None, judge: Any = None,
+               env: Environment | None = None, judge: Judge | None = None,
                rehearser: Rehearser | None = None, memory: RehearsalMemory | None = None) -> EpisodeRunner:
         """Continue a recorded episode (an interrupted or stopped one) where it ended.
 
@@ -210,7 +210,7 @@ class EpisodeRunner:
         message = [{"role": "user", "content": text}]
         if self.turn < len(turns):
             turns[self.turn] = message
-        elif getattr(self.judge, "judges_whole_episode", False):
+        elif self.judge.judges_whole_episode:
             turns.append(message)
         else:
             raise ValueError(f"Task {self.task.id} has {len(turns)} scripted turn(s), each judged against its own "
@@ -235,7 +235,7 @@ class EpisodeRunner:
         forks would reach a real backend), or a policy that keeps no results (a remote server, weights in
         training)."""
         inner = self.policy.inner  # the UI's progress wrapper reports the real step only
-        if self.done or not getattr(self.env, "forkable", False) or not inner.can_compute_ahead:
+        if self.done or not self.env.forkable or not inner.can_compute_ahead:
             return False
         if not self._turn_open and self.turn >= len(self.task.turns):
             return False
@@ -259,8 +259,7 @@ class EpisodeRunner:
             if self._ahead_for != target:
                 self._ahead_for, self._ahead_s = target, 0.0
             self._ahead_s += time.perf_counter() - started
-            if hasattr(scratch.env, "close"):
-                scratch.env.close()
+            scratch.env.close()
         self.planner.keep_relevance(scratch.planner)
         return True
 
@@ -288,8 +287,7 @@ class EpisodeRunner:
     # ------------------------------------------------------------ turns
 
     def _open_turn(self) -> None:
-        if hasattr(self.env, "set_turn"):
-            self.env.set_turn(self.turn)  # miss_func: tools that appear at this turn
+        self.env.set_turn(self.turn)  # miss_func: tools that appear at this turn
         self.history += turn_messages(self.task, self.turn)
         self._turn_open, self._turn_steps, self.turn_executed = True, 0, []
 
@@ -310,7 +308,7 @@ class EpisodeRunner:
         self.episode.status, self.episode.end_reason = "finished", reason
         results = self.episode.turn_results
         # A whole-episode judge's last verdict covers every turn before it.
-        whole = getattr(self.judge, "judges_whole_episode", False)
+        whole = self.judge.judges_whole_episode
         if whole:
             self.episode.success = results[-1].success if results else None
         else:
@@ -345,8 +343,7 @@ class EpisodeRunner:
         if self.planner.rehearser.executes:  # its fork executions were the agent's own calls; the chosen one counts once
             external += len(ctx.forks) - (1 if chosen in ctx.forks else 0)
         for fork in ctx.forks.values():  # an MCP fork holds a server process: end it with the step
-            if hasattr(fork, "close"):
-                fork.close()
+            fork.close()
         self.planner.measure(ctx)
         return Step(index=ctx.index, turn=self.turn, branches=branches, chosen=chosen,
                     kind=branches[chosen].kind, state_before=state_before,
@@ -362,7 +359,7 @@ class EpisodeRunner:
         where the environment forks in memory (`forkable`); elsewhere only read-only tools.
         The episode's environment is never called. Returns the shadow calls made.
         """
-        forkable = bool(getattr(self.env, "forkable", False))
+        forkable = self.env.forkable
         count = 0
         for b in branches:
             if b.index == chosen or b.kind != "call" or b.actual_source is not None:
@@ -372,14 +369,13 @@ class EpisodeRunner:
                 b.not_executed = NOT_EXECUTED_SHADOW_OFF
                 continue
             if not forkable and (tool is None or not tool.read_only):
-                b.not_executed = getattr(self.env, "fork_refusal", None) or NOT_EXECUTED_CANNOT_FORK
+                b.not_executed = self.env.fork_refusal or NOT_EXECUTED_CANNOT_FORK
                 continue
             fork = self.env.fork()
             result = fork.call(b.call.name, b.call.arguments)
             b.actual, b.actual_error, b.actual_source = result.output, result.error, "shadow"
             b.shadow_state_after = fork.state()
-            if hasattr(fork, "close"):  # an MCP fork holds a server process: end it now, not at garbage collection
-                fork.close()
+            fork.close()  # an MCP fork holds a server process: end it now, not at garbage collection
             count += 1
         return count
 
