@@ -16,7 +16,7 @@ import pytest
 from gradio_client import Client
 from scripted import call, mock_episode
 
-from app.training import service
+from app.service import finetune as finetune_service
 from app.training.finetune import FinetuneError, FinetuneResult
 from app.service import Services
 from app.records import Annotation
@@ -77,7 +77,7 @@ def tab(tmp_path: Path):
     _, _, episode = mock_episode(store=services.store)
     cb = FinetuneCallbacks(services, RunCallbacks(services).adapter_choices, adapter_root=tmp_path / "adapters")
     yield cb, episode
-    assert not service.is_running(), "a test left a fine-tune running"
+    assert not finetune_service.is_running(), "a test left a fine-tune running"
 
 
 def call_branches(cb: FinetuneCallbacks, episode_id: str) -> list[int]:
@@ -270,7 +270,7 @@ def test_a_failing_finetune_is_reported_and_frees_the_slot(tab, monkeypatch, err
     with pytest.warns(UserWarning, match="The fine-tune failed"):
         views = list(cb.run(**form(parent=parent)))
     assert text in views[-1][0] and "Nothing was changed" in views[-1][0] and "ea-msg-error" in views[-1][0]
-    assert counts(cb) == (1, 0) and not service.is_running()
+    assert counts(cb) == (1, 0) and not finetune_service.is_running()
     # The parent is still the default: the Run tab and the next fine-tune start from it.
     assert cb.services.store.default_adapter() == parent == cb.default_parent() == cb.services.default_adapter()
 
@@ -305,7 +305,7 @@ def test_a_second_finetune_is_refused_while_one_runs(tab, monkeypatch) -> None:
     monkeypatch.setattr(service, "run_finetune", fake)
     first = cb.run(**form(name="first"))
     try:
-        assert "Fine-tuning" in next(first)[0] and service.is_running()
+        assert "Fine-tuning" in next(first)[0] and finetune_service.is_running()
         second = list(cb.run(**form(name="second")))
         assert len(second) == 1 and "A fine-tune is already running" in second[0][0]
     finally:
