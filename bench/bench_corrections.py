@@ -39,7 +39,8 @@ from app.records import Annotation  # noqa: E402
 from app.store import Store  # noqa: E402
 from app.service import finetune as finetune_service  # noqa: E402
 from app.training.finetune import CORRECTED, OTHERS, run_finetune  # noqa: E402
-from app.training.rows import expert_episode, rehearse_row_prompt, replay  # noqa: E402
+from app.engine.replay import replay  # noqa: E402
+from app.training.rows import expert_episode  # noqa: E402
 from app.ui import constants as C  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def rehearse_training_calls(policy, n_tasks: int, seed: int, batch: int = 8) -> 
         for view in replay(episode, task):
             b = view.step.chosen_branch
             if b.kind == "call" and b.call is not None:
-                prompts.append(rehearse_row_prompt(view, b.call, constrain=True))
+                prompts.append(view.rehearse_prompt(b.call, constrain=True))
                 items.append({"task": task_id, "episode": episode, "step": view.step.index, "tool": b.call.name,
                               "actual": b.actual})
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
