@@ -5,7 +5,7 @@
    constrained, as `forced_rehearsal` does). The tools with the most diverged rehearsals (exact false) are the
    corrected tools; N of their diverged calls are stored as annotated branches whose correction is the real
    response (what a careful annotator would type).
-2. The fine-tune: `app.training.service.build_request` + `run_finetune`, the Fine-tune tab's own path, with the
+2. The fine-tune: `app.service.finetune.build_request` + `run_finetune`, the Fine-tune tab's own path, with the
    tab's defaults (replay ratio, checkpoints, unseen calls) unless overridden.
 3. The figures: Rehearse exact (and NLL) before and after on unseen calls (the held-out split, index mod 4 == 3)
    of the corrected tools and of the other tools (`unseen_probe`), the checkpoint curve and the default decision.
@@ -37,9 +37,10 @@ from app.divergence import compare  # noqa: E402
 from app.formats import REHEARSE_STOP, parse_result  # noqa: E402
 from app.records import Annotation  # noqa: E402
 from app.store import Store  # noqa: E402
-from app.training import service  # noqa: E402
+from app.service import finetune as finetune_service  # noqa: E402
 from app.training.finetune import CORRECTED, OTHERS, run_finetune  # noqa: E402
-from app.training.rows import expert_episode, rehearse_row_prompt, replay  # noqa: E402
+from app.engine.replay import replay  # noqa: E402
+from app.training.rows import expert_episode  # noqa: E402
 from app.ui import constants as C  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def rehearse_training_calls(policy, n_tasks: int, seed: int, batch: int = 8) -> 
         for view in replay(episode, task):
             b = view.step.chosen_branch
             if b.kind == "call" and b.call is not None:
-                prompts.append(rehearse_row_prompt(view, b.call, constrain=True))
+                prompts.append(view.rehearse_prompt(b.call, constrain=True))
                 items.append({"task": task_id, "episode": episode, "step": view.step.index, "tool": b.call.name,
                               "actual": b.actual})
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
@@ -130,7 +131,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store, tools, chosen = corrected_store(Path(tmp) / "bench.db", items, args.n, args.tools)
         out["corrected_tools"], out["corrections"] = tools, len(chosen)
-        req = service.build_request(episodes=None, annotated=False, steps=args.steps, lr=args.lr, rank=d["rank"],
+        req = finetune_service.build_request(episodes=None, annotated=False, steps=args.steps, lr=args.lr, rank=d["rank"],
                                     parent=adapter, out=Path(tmp) / "child", heldout_rows=0, agreement=False,
                                     max_steps=C.FT_MAX_STEPS, unseen_rows=args.unseen,
                                     replay_ratio=args.replay_ratio, eval_every=args.eval_every)

@@ -82,7 +82,8 @@ def ranking_accuracy(policy, task_ids: list[str], tops: list[int], weight: float
     (`rows.act_row_prompt`); the channel's scores are kept across tops, so each is computed once."""
     from app.engine.history import latest_request
     from app.engine.proposals import rank_tools, relevance
-    from app.training.rows import PromptContext, act_row_prompt, expert_episode, replay
+    from app.engine.replay import replay
+    from app.training.rows import PromptContext, act_row_prompt, expert_episode
 
     ctx = PromptContext(policy.count_tokens, policy.context_window, settings=RunSettings(relevance=weight))
     hits = {top: 0 for top in tops}

@@ -154,3 +154,12 @@ def test_sql_on_the_apps_database_lives_in_the_store_only():
              if path != ROOT / "app" / "store.py"
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def test_the_engine_imports_nothing_above_it():
+    """Training, eval, the service layer, the UI and the CLI use the engine, never the other way: the replays and
+    the Rehearse-prompt rule they share live in the engine (`replay.py`, `history.py`)."""
+    g = graph()
+    above = ("app.training", "app.eval", "app.service", "app.ui", "app.cli")
+    upward = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in g.items() if m.startswith("app.engine")}
+    assert {m: d for m, d in upward.items() if d} == {}

@@ -24,9 +24,8 @@ from app.service.catalog import UnjudgedJudge, episode_task, instruction_task, t
 from app.service.forms import InputError
 from app.store import Recorder, Store
 from app.trace_io import TraceFileError, export_episodes, import_records, parse_traces
-from app.training import service as training_service
+from app.service import finetune as finetune_service
 from app.formats import canonical_call, rehearse_target
-from app.training.figures import comparison_rows
 from app.training.finetune import (CORRECTED, OTHERS, FinetuneError, FinetuneRequest, build_rows, select_corrections,
                                    summarize_unseen, trained_calls, unseen_probe, validate_request, wilson)
 from app.training.rows import PromptContext, expert_episode
@@ -282,7 +281,7 @@ def test_what_cannot_be_rebuilt_is_left_out_with_a_note_and_the_rest_trains(tmp_
     rows = build_rows(store, select_corrections(store), ctx(policy), notes)
     assert [r.ref.split("/")[0] for r in rows] == [bench.id]
     assert len(notes) == 1 and typed.id in notes[0] and "text was never recorded" in notes[0]
-    plan = training_service.plan(store, None, False)
+    plan = finetune_service.plan(store, None, False)
     assert plan.rehearse_rows == 1 and plan.left_out == notes
 
 
@@ -393,8 +392,8 @@ def test_the_verdict_names_each_corrected_tool_and_the_others_with_an_interval()
     assert summary["verdict"] == ("Rehearse exact, cd: 0.50 -> 1.00 on 2 unseen calls; "
                                   "other tools 0.50 -> 0.50 on 2 (after: 95% CI 0.09-0.91)")
     assert wilson(0, 10) == (0.0, 0.2775)
-    labels = [r[0] for r in comparison_rows({"before": {"rehearse_nll": 1.0}, "after": {"rehearse_nll": 0.5},
-                                             "unseen": summary})]
+    metrics = {"before": {"rehearse_nll": 1.0}, "after": {"rehearse_nll": 0.5}, "unseen": summary}
+    labels = [r[0] for r in finetune_service.comparison_rows(metrics)]
     assert labels[0] == "trained on (the corrections)"
     assert {"unseen cd calls (n=2)", "unseen other tools (n=2)"} <= set(labels)
     with pytest.raises(FinetuneError, match="unseen calls must be between 0 and 200"):

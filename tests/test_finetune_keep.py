@@ -17,7 +17,7 @@ from app.cli.main import main
 from app.formats import canonical_call, rehearse_target
 from app.records import Annotation, Call
 from app.store import Store
-from app.training import service
+from app.service import finetune as finetune_service
 from app.training.finetune import (CORRECTED, OTHERS, REPLAY_SOURCE, EarlyStopping, FinetuneError, FinetuneRequest,
                                    _register, default_decision, run_finetune, select_corrections, trained_calls,
                                    training_sample, validate_request)
@@ -212,7 +212,7 @@ def test_form_option_errors_name_the_field(tmp_path: Path, field: str, value, te
                   heldout_rows=0, agreement=False, max_steps=500, unseen_rows=0, replay_ratio=1, eval_every=1)
     values[field] = value
     with pytest.raises(InputError, match=text):
-        service.build_request(**values)
+        finetune_service.build_request(**values)
 
 
 # ---- the real model ----------------------------------------------------------------------------------------

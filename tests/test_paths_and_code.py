@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.training.service import adapter_dir
+from app.service.finetune import adapter_dir
 from app.service import InputError
 
 ROOT = Path(__file__).resolve().parent.parent

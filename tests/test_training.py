@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,10 @@ from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, 
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
 from app.formats import rehearse_target
+from app.engine.replay import replay, replay_ground_truth
 from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
-                               replay, self_training_rows)
+                               self_training_rows)
+from app.training.memory_seed import task_transitions
 from model_backend.training import TrainConfig, TrainingError, save_adapter
 from scripted import ScriptedPolicy, branch_ids, call, mock_episode, stored_mock_episode
 
@@ -90,6 +93,25 @@ def test_expert_episode_replays_ground_truth_and_ends_turns() -> None:
     views = list(replay(ep, task))
     assert views[1].history[-1].role == "tool" and views[1].history[-1].result == ep.steps[0].branches[0].actual
 
+
+
+def test_expert_episodes_and_the_memory_seed_share_one_ground_truth_replay() -> None:
+    """`replay_ground_truth` is the one execution of a task's ground truth: the seed's expert transitions are the
+    expert episode's committed calls with their real results, and `before` sees each call on the state it meets."""
+    task = envs.load_task("bfcl:multi_turn_miss_func_0")  # its missed-function turn has no ground-truth call
+    assert any(not calls for calls in task.ground_truth)
+    ep = expert_episode(task)
+    committed = [s for s in ep.steps if s.kind == "call"]
+    seeded = task_transitions(task, {}, random.Random(0), explore=0)
+    assert [(x.tool, list(x.arguments.items()), x.response, x.error) for x in seeded] == [
+        (s.chosen_branch.call.name, list(s.chosen_branch.call.arguments.items()), s.chosen_branch.actual,
+         s.chosen_branch.actual_error) for s in committed]
+    env = envs.make_env(task)
+    met: list[tuple[object, bool]] = []
+    golds = [gold for turn in range(len(task.ground_truth)) for gold in replay_ground_truth(
+        task, env, turn, states=True, before=lambda gold: met.append((gold.result, env.state() == gold.state_before)))]
+    assert met == [(None, True)] * len(committed)
+    assert [(g.state_before, g.state_after) for g in golds] == [(s.state_before, s.state_after) for s in committed]
 
 # ---- atomic saves ---------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import pytest
 from gradio_client import Client
 from scripted import call, mock_episode
 
-from app.training import service
+from app.service import finetune as finetune_service
 from app.training.finetune import FinetuneError, FinetuneResult
 from app.service import Services
 from app.records import Annotation
@@ -77,7 +77,7 @@ def tab(tmp_path: Path):
     _, _, episode = mock_episode(store=services.store)
     cb = FinetuneCallbacks(services, RunCallbacks(services).adapter_choices, adapter_root=tmp_path / "adapters")
     yield cb, episode
-    assert not service.is_running(), "a test left a fine-tune running"
+    assert not finetune_service.is_running(), "a test left a fine-tune running"
 
 
 def call_branches(cb: FinetuneCallbacks, episode_id: str) -> list[int]:
@@ -123,8 +123,8 @@ def test_the_tab_is_wired_to_the_run_tabs_adapter_dropdown(tmp_path: Path) -> No
 
 def test_preview_and_finetune_through_the_server(tmp_path: Path, monkeypatch) -> None:
     """The endpoints as a page calls them: the generator, the plots and the Run tab's dropdown serialize."""
-    monkeypatch.setattr(service, "ADAPTER_ROOT", tmp_path / "adapters")
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune())
+    monkeypatch.setattr(finetune_service, "ADAPTER_ROOT", tmp_path / "adapters")
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune())
     demo = build_demo(db_path=str(tmp_path / "x.db"), policy_loader=no_model)
     _, _, episode = mock_episode(store=demo.services.store)
     correct_two(FinetuneCallbacks(demo.services, lambda: None), episode.id)
@@ -186,7 +186,7 @@ def test_bad_input_is_refused_before_anything_runs(tab, monkeypatch, overrides: 
     cb, episode = tab
     correct_two(cb, episode.id)
     fake = FakeFinetune()
-    monkeypatch.setattr(service, "run_finetune", fake)
+    monkeypatch.setattr(finetune_service, "run_finetune", fake)
     before = counts(cb)
     with pytest.warns(UserWarning) as warned:  # gr.Warning outside a request: a Python warning
         views = list(cb.run(**form(**overrides)))
@@ -199,7 +199,7 @@ def test_bad_input_is_refused_before_anything_runs(tab, monkeypatch, overrides: 
 
 def test_nothing_selected_and_invalid_stored_json(tab, monkeypatch) -> None:
     cb, episode = tab
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune())
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune())
     message = list(cb.run(**form()))[0][0]
     assert "no corrected branches" in message and "Nothing was changed" in message
     # A correction stored by something other than the Annotate tab, not valid JSON.
@@ -224,7 +224,7 @@ def test_an_existing_adapter_directory_is_refused(tab, monkeypatch) -> None:
     cb, episode = tab
     correct_two(cb, episode.id)
     (cb.adapter_root / "taken").mkdir(parents=True)
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune())
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune())
     assert "already exists: choose another adapter name" in list(cb.run(**form(name="taken")))[0][0]
 
 
@@ -235,7 +235,7 @@ def test_run_streams_the_loss_then_shows_before_after_and_new_choices(tab, monke
     cb, episode = tab
     correct_two(cb, episode.id)
     fake = FakeFinetune()
-    monkeypatch.setattr(service, "run_finetune", fake)
+    monkeypatch.setattr(finetune_service, "run_finetune", fake)
     views = list(cb.run(**form(episodes=[episode.id])))
     req = fake.requests[0]
     assert (req.steps, req.lr, req.rank, req.parent, req.episodes, req.heldout_rows) == \
@@ -262,15 +262,15 @@ def test_run_streams_the_loss_then_shows_before_after_and_new_choices(tab, monke
 def test_a_failing_finetune_is_reported_and_frees_the_slot(tab, monkeypatch, error, text) -> None:
     cb, episode = tab
     correct_two(cb, episode.id)
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(True, "made the default")))
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune(default=(True, "made the default")))
     parent = str((cb.adapter_root / "parent").resolve())
     list(cb.run(**form(name="parent")))
     assert cb.services.store.default_adapter() == parent == cb.default_parent()
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune(error=error))
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune(error=error))
     with pytest.warns(UserWarning, match="The fine-tune failed"):
         views = list(cb.run(**form(parent=parent)))
     assert text in views[-1][0] and "Nothing was changed" in views[-1][0] and "ea-msg-error" in views[-1][0]
-    assert counts(cb) == (1, 0) and not service.is_running()
+    assert counts(cb) == (1, 0) and not finetune_service.is_running()
     # The parent is still the default: the Run tab and the next fine-tune start from it.
     assert cb.services.store.default_adapter() == parent == cb.default_parent() == cb.services.default_adapter()
 
@@ -278,7 +278,7 @@ def test_a_failing_finetune_is_reported_and_frees_the_slot(tab, monkeypatch, err
 def test_a_child_worse_on_the_others_is_not_made_the_default_and_the_tab_says_why(tab, monkeypatch) -> None:
     cb, episode = tab
     correct_two(cb, episode.id)
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(True, "made the default: other tools "
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune(default=(True, "made the default: other tools "
                                                                               "0.48 -> 0.48 on 120 unseen calls")))
     message, status, *_, parent, _, run_adapter = list(cb.run(**form(name="good")))[-1]
     message = html.unescape(message)
@@ -286,7 +286,7 @@ def test_a_child_worse_on_the_others_is_not_made_the_default_and_the_tab_says_wh
     assert "made the default: other tools 0.48 -> 0.48" in message and "ea-msg-info" in message
     assert run_adapter.value == good and parent.value == good  # the Run tab and the next fine-tune start from it
     why = "not made the default: worse on the other tools, Rehearse exact 0.48 -> 0.40 on 120 unseen calls"
-    monkeypatch.setattr(service, "run_finetune", FakeFinetune(default=(False, why)))
+    monkeypatch.setattr(finetune_service, "run_finetune", FakeFinetune(default=(False, why)))
     message, status, *_, parent, _, run_adapter = list(cb.run(**form(name="worse", parent=good)))[-1]
     message = html.unescape(message)
     assert why in message and "ea-msg-warning" in message and render.md_text(why) in status  # literal text
@@ -302,10 +302,10 @@ def test_a_second_finetune_is_refused_while_one_runs(tab, monkeypatch) -> None:
     correct_two(cb, episode.id)
     gate = threading.Event()
     fake = FakeFinetune(gate=gate)
-    monkeypatch.setattr(service, "run_finetune", fake)
+    monkeypatch.setattr(finetune_service, "run_finetune", fake)
     first = cb.run(**form(name="first"))
     try:
-        assert "Fine-tuning" in next(first)[0] and service.is_running()
+        assert "Fine-tuning" in next(first)[0] and finetune_service.is_running()
         second = list(cb.run(**form(name="second")))
         assert len(second) == 1 and "A fine-tune is already running" in second[0][0]
     finally:

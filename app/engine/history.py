@@ -1,16 +1,19 @@
-"""The conversation the Act role reads: what a turn's opening and a committed branch add to it.
+"""What the two roles read: the conversation a turn's opening and a committed branch add to it, and what a
+Rehearse prompt shows besides (`rehearse_step_prompt`: the pre-step state under `history+state`).
 
-One owner for the rule, used by the live runner (`EpisodeRunner`) and by the replay that
-rebuilds the history of a recorded episode for training rows (`training.rows.replay`), so a
-model trains on exactly the history it acts on.
+One owner for each rule, used by the live runner (`EpisodeRunner`, its `ModelRehearser`) and by the replay that
+rebuilds the history of a recorded episode (`engine.replay.replay`: training rows, the eval's probe, the offline
+rehearsal), so a model trains on exactly the prompts it acts and rehearses on.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 from app.envs import Task
-from app.formats import HistoryItem, call_text
-from app.records import Branch, TurnResult
+from app.envs.base import Tool
+from app.formats import HistoryItem, call_text, rehearse_prompt
+from app.records import Branch, Call, MemoryHit, TurnResult
+from model_backend.base import Prompt
 
 TYPED_USER_MESSAGE = "typed_user_message"
 """The key of a verdict's details that keeps a user turn a person typed (`EpisodeRunner.add_user_turn`)."""
@@ -50,6 +53,17 @@ def committed_messages(branch: Branch, turn: int) -> list[HistoryItem]:
     else:
         said = HistoryItem(role="assistant", content=branch.action_text.strip(), turn=turn)
     return [said, HistoryItem(role="tool", content="", result=branch.actual, turn=turn)]
+
+
+def rehearse_step_prompt(tool: Tool | None, call: Call, history: list[HistoryItem], state_before: Any,
+                         rehearsal_context: str, *, constrain: bool = False,
+                         examples: Sequence[MemoryHit] = ()) -> Prompt:
+    """The Rehearse prompt of `call` at a step: the history before the step, the state before it only under
+    `rehearsal_context="history+state"` (rehearsal comes before the commit), `examples` (retrieved real
+    transitions), the call. The live rehearser and the replayed steps of training rows and the eval build
+    theirs here."""
+    state = state_before if rehearsal_context == "history+state" else None
+    return rehearse_prompt(tool, call, history, state, constrain=constrain, examples=examples)
 
 
 def call_required(tool_choice: str, history: list[HistoryItem]) -> bool:

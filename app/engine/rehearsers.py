@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from app.engine.context import StepContext
-from app.formats import REHEARSE_STOP, parse_result, rehearse_prompt
+from app.engine.history import rehearse_step_prompt
+from app.formats import REHEARSE_STOP, parse_result
 from app.records import Branch
 from model_backend.base import GenerationConfig
 
@@ -44,12 +45,12 @@ class ModelRehearser:
         todo = [b for b in branches if b.kind == "call" and b.predicted_text is None]
         if not todo:
             return 0
-        # Rehearsal happens before the commit, so the pre-step state is the state to show.
-        state = ctx.state_before if settings.rehearsal_context == "history+state" else None
         for b in todo:  # the real transitions each prediction is conditioned on (shown on its card)
             b.memory = planner.recall(b.call)
-        prompts = [rehearse_prompt(ctx.tools.get(b.call.name), b.call, ctx.history, state,
-                                   constrain=settings.constrain, examples=b.memory) for b in todo]
+        # The one rule of what a Rehearse prompt shows, also the training rows' (a replayed step's).
+        prompts = [rehearse_step_prompt(ctx.tools.get(b.call.name), b.call, ctx.history, ctx.state_before,
+                                        settings.rehearsal_context, constrain=settings.constrain, examples=b.memory)
+                   for b in todo]
         config = GenerationConfig(max_new_tokens=settings.max_rehearsal_tokens, temperature=0.0,
                                   seed=settings.seed, stop=REHEARSE_STOP)
         for branch, prompt, gen in zip(todo, prompts, planner.policy.rehearse(prompts, config)):

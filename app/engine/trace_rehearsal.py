@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 from app.engine.memory import observed
 from app.engine.planner import StepPlanner
-from app.envs.base import Task
+from app.engine.replay import replay
+from app.envs.base import Environment, Task
 from app.formats import branch_key, canonical_json
 from app.records import Episode, Metrics, RunSettings, Step, Transition, TransitionSource, utcnow
 from model_backend.base import Policy
@@ -54,7 +55,7 @@ def recorded_calls(episode: Episode) -> list[Step]:
             and s.chosen_branch.actual_source is not None]
 
 
-def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, model: str, adapter: str | None,
+def rehearse_episode(source: Episode, task: Task, env: Environment, policy: Policy, *, model: str, adapter: str | None,
                      alternatives: int = 0, seed: int = 0, temperature: float = 0.8, constrain: bool = True,
                      max_rehearsal_tokens: int = 128, max_action_tokens: int = 96,
                      on_call: Callable[[Step], None] | None = None) -> Episode:
@@ -62,8 +63,6 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
     history; `task`/`env`: the source's task and a fresh environment of it, whose tools per turn are read (nothing
     is executed). `alternatives`: K calls the model proposes at each recorded call (0: none). `on_call` is told of
     each rehearsed call step. ValueError: nothing to rehearse, or K out of range."""
-    from app.training.rows import replay  # the history rule of recorded episodes (engine.history), one owner
-
     if not 0 <= alternatives <= MAX_ALTERNATIVES:
         raise ValueError(f"alternatives must be 0 to {MAX_ALTERNATIVES}; got {alternatives}")
     if not recorded_calls(source):
@@ -109,11 +108,9 @@ def rehearse_episode(source: Episode, task: Task, env: Any, policy: Policy, *, m
     return episode
 
 
-def recorded_transitions(source: Episode, task: Task, env: Any, source_kind: TransitionSource) -> list[Transition]:
+def recorded_transitions(source: Episode, task: Task, env: Environment, source_kind: TransitionSource) -> list[Transition]:
     """The source's recorded calls with their real responses, as rehearsal-memory transitions of `source_kind`
     (`committed` for an episode that ran here, `imported` for a trace brought in from a file)."""
-    from app.training.rows import replay
-
     out: list[Transition] = []
     for view in replay(source, task, env):
         step = view.step.model_copy(update={"branches": [view.step.chosen_branch]})

@@ -397,7 +397,7 @@ def state_context_probe(policy: Any, episodes: list[Episode], tasks: dict[str, T
     episodes in order, are rehearsed twice: with the history alone and with the history
     plus the state before the step (the runner's two `rehearsal_context` settings).
     """
-    from app.training.rows import replay, rehearse_row_prompt
+    from app.engine.replay import replay
     from model_backend.base import GenerationConfig
 
     items: list[tuple[Any, Any, Any]] = []  # (view, call, actual)
@@ -409,14 +409,14 @@ def state_context_probe(policy: Any, episodes: list[Episode], tasks: dict[str, T
             for b in view.step.branches:
                 if b.kind != "call" or b.call is None or b.actual_source is None or len(items) >= max_calls:
                     continue
-                key = canonical_json([rehearse_row_prompt(view, b.call).messages, b.actual])
+                key = canonical_json([view.rehearse_prompt(b.call).messages, b.actual])
                 if key not in seen:
                     seen.add(key)
                     items.append((view, b.call, b.actual))
     config = GenerationConfig(max_new_tokens=max_tokens, temperature=0.0, seed=seed, stop=REHEARSE_STOP)
     out: dict[str, Any] = {"calls": len(items)}
     for context in ("history", "history+state"):
-        prompts = [rehearse_row_prompt(view, call, context) for view, call, _ in items]
+        prompts = [view.rehearse_prompt(call, context) for view, call, _ in items]
         metrics: list[Metrics] = []
         for i in range(0, len(prompts), PROBE_BATCH):
             for gen, (_, _, actual) in zip(policy.rehearse(prompts[i:i + PROBE_BATCH], config),

@@ -7,12 +7,15 @@
 - `session`: `Services` (shared by every browser session: store, catalog, policy cache) and
   `RunSession` (one session's run, saved step by step).
 - `diffing`: where two episodes first committed different actions.
-- `dashboard`: the Dashboard's plotly figures from the store's read queries.
+- `dashboard`: the Dashboard's plotly figures from the store's read queries (and the figure style the other
+  modules' figures share).
+- `finetune`: the Fine-tune tab's form, data preview and job around `app.training.finetune`, and its figures.
 - `episodes`: stored episodes the Traces tab acts on (what a discard would delete).
 - from the engine's report: why an episode ended (`end_reason_text`), what a step's compute took (`compute_time`).
 
 The UI reaches the engine, environments and models only through this package (tests/test_architecture.py);
-nothing here imports Gradio.
+nothing here imports Gradio. One module per concern, its plotly figures included (`dashboard`, `finetune`,
+`model_comparison`).
 """
 from app.engine.report import compute_time, end_reason_text
 from app.service.annotations import SavedAnnotation, annotated_episode_choices, branch_use_note, save_annotation

@@ -26,11 +26,11 @@ from tqdm.auto import tqdm
 from app import envs
 from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare, looping
+from app.engine.replay import replay
 from app.eval.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
 from app.records import Episode, RunSettings, Transition
-from app.training.rows import (PromptContext, expert_episode, expert_rows,
-                               rehearse_row_prompt, replay, self_training_rows, single_turn_rows)
+from app.training.rows import PromptContext, expert_episode, expert_rows, self_training_rows, single_turn_rows
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
                 continue
             tool = next((t for t in view.tools if t.name == b.call.name), None)
             examples = memory.retrieve(b.call, scope, memory_k, recent) if memory is not None else []
-            prompts.append(rehearse_row_prompt(view, b.call, constrain=constrain, examples=examples))
+            prompts.append(view.rehearse_prompt(b.call, constrain=constrain, examples=examples))
             items.append((task_id, b.call, b.actual, tool, examples))
             recent += observed(view.step, task_id=task_id, split=task.extra.get("split"), episode_id=episode.id,
                                tools={t.name: t for t in view.tools})

@@ -1,7 +1,8 @@
 """The rehearsal memory's seed: real transitions from the training split, made before any episode runs.
 
 - `expert`: every ground-truth call of every training-split task (BFCL's four multi-turn categories, index
-  mod 4 != 3; tau2's own train split), executed in order in a fresh real environment.
+  mod 4 != 3; tau2's own train split), executed in order in a fresh real environment (the engine's
+  `replay_ground_truth`, as training's expert episodes are).
 - `explore`: before each of those calls, calls sampled on a fork of the state at that point: the same tool
   or another tool of the task, with argument sets the training split's ground truth used for that tool
   elsewhere (so they are plausible, and often wrong for this state: a `cd` into a folder that is not there,
@@ -17,6 +18,7 @@ import random
 from typing import Any, Callable, Iterable
 
 from app import envs
+from app.engine.replay import GoldCall, ground_truth_calls, replay_ground_truth
 from app.envs.base import Task, Tool
 from app.formats import canonical_json, in_schema_order
 from app.records import Transition
@@ -36,13 +38,6 @@ def training_task_ids(suites: Iterable[str] = SEED_SUITES) -> list[str]:
     return ids
 
 
-def _gold_calls(task: Task, env: Any) -> Iterable[tuple[int, str, dict[str, Any]]]:
-    for turn, calls in enumerate(task.ground_truth or []):
-        for call_string in calls:
-            name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
-            yield turn, name, args
-
-
 def argument_pool(task_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
     """Tool name -> the distinct argument sets the ground truth of `task_ids` calls it with."""
     pool: dict[str, dict[str, dict[str, Any]]] = {}
@@ -50,7 +45,7 @@ def argument_pool(task_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         task = envs.load_task(task_id)
         env = envs.make_env(task)
         try:
-            for _, name, args in _gold_calls(task, env):
+            for _, name, args in ground_truth_calls(task, env):
                 pool.setdefault(name, {})[canonical_json(args)] = args
         finally:
             if hasattr(env, "close"):
@@ -72,22 +67,22 @@ def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: ran
     state before each gold call (`explore`)."""
     env = envs.make_env(task)
     out: list[Transition] = []
+
+    def explore_before(gold: GoldCall) -> None:  # calls on forks of the state the gold call meets
+        tools = {t.name: t for t in gold.tools}
+        for _ in range(explore if env.forkable else 0):
+            other = gold.name if rng.random() < 0.5 else rng.choice(sorted(tools))
+            choices = pool.get(other) or ([{}] if not tools[other].parameters.get("required") else [])
+            if not choices:
+                continue
+            other_args = rng.choice(choices)
+            fork = env.fork()
+            out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore", task))
+
     try:
-        turn_now = -1
-        for turn, name, args in _gold_calls(task, env):
-            if turn != turn_now and hasattr(env, "set_turn"):
-                env.set_turn(turn)
-                turn_now = turn
-            tools = {t.name: t for t in env.tools()}
-            for _ in range(explore if env.forkable else 0):
-                other = name if rng.random() < 0.5 else rng.choice(sorted(tools))
-                choices = pool.get(other) or ([{}] if not tools[other].parameters.get("required") else [])
-                if not choices:
-                    continue
-                other_args = rng.choice(choices)
-                fork = env.fork()
-                out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore", task))
-            out.append(_transition(tools.get(name), name, args, env.call(name, args), "expert", task))
+        for turn in range(len(task.ground_truth or [])):
+            for gold in replay_ground_truth(task, env, turn, before=explore_before):
+                out.append(_transition(gold.tool, gold.name, gold.arguments, gold.result, "expert", task))
     finally:
         if hasattr(env, "close"):
             env.close()

@@ -1,24 +1,25 @@
 """Act and Rehearse training rows from traces: expert replays, self-training episodes, corrections.
 
-Every row's prompt is built by the engine's own functions (`act_prompt`, `rehearse_prompt`)
-over a history rebuilt by the engine's own rule (`app.engine.history`), so a model trains on
+Every row's prompt is built by the engine's own functions (`act_prompt`, `history.rehearse_step_prompt`)
+over a history rebuilt by the engine's own rule (`app.engine.replay.replay`), so a model trains on
 the very prompts it later sees. Expert traces are recorded as ordinary `Episode`s (the
-ground-truth calls executed in the real environment), so one replay serves all sources.
+ground-truth calls executed in the real environment by `app.engine.replay.replay_ground_truth`), so one
+replay serves all sources.
 """
 from __future__ import annotations
 
 import logging
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable
 
 from app import envs
-from app.engine.history import call_required, committed_messages, turn_messages
+from app.engine.history import call_required
 from app.engine.memory import MemoryScope, observed
-from app.envs.base import Task, Tool
+from app.engine.replay import StepView, replay, replay_ground_truth
+from app.envs.base import Task
 from app.envs.bfcl_tasks import SINGLE_TURN_CATEGORIES, single_turn_examples
-from app.formats import (TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, in_schema_order, parse_action, rehearse_prompt,
-                         rehearse_target)
+from app.formats import TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, parse_action, rehearse_target
 from app.records import Annotation, Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Prompt
 from model_backend.training import TrainRow
@@ -66,21 +67,15 @@ def expert_episode(task: Task) -> Episode:
     settings = RunSettings(mode="none", branches=1, shadow=False)
     ep = Episode(id=f"expert-{task.id}", task_id=task.id, model=EXPERT_MODEL, settings=settings)
     for turn, calls in enumerate(task.ground_truth):
-        if hasattr(env, "set_turn"):
-            env.set_turn(turn)
         executed = []
-        for call_string in calls:
-            name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
-            # The order the constrained Act writes (BFCL's strings sometimes list arguments otherwise).
-            call = Call(name=name, arguments=in_schema_order(args, _tool(env, name)))
-            before = env.state()
-            result = env.call(name, args)
-            branch = Branch(index=0, action_text=call_text(call), kind="call", call=call,
-                            actual=result.output, actual_error=result.error, actual_source="committed",
+        for gold in replay_ground_truth(task, env, turn, states=True):
+            # The call in schema order: what the constrained Act writes (BFCL's strings sometimes differ).
+            branch = Branch(index=0, action_text=call_text(gold.call), kind="call", call=gold.call,
+                            actual=gold.result.output, actual_error=gold.result.error, actual_source="committed",
                             chosen=True)
             ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[branch], chosen=0, kind="call",
-                                 state_before=before, state_after=env.state(), external_calls=1))
-            executed.append((name, args, result.output))
+                                 state_before=gold.state_before, state_after=gold.state_after, external_calls=1))
+            executed.append((gold.name, gold.arguments, gold.result.output))
         answer = Branch(index=0, action_text=FINAL_ANSWER, kind="answer", chosen=True)
         state = env.state()
         ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[answer], chosen=0, kind="answer",
@@ -94,40 +89,6 @@ def expert_episode(task: Task) -> Episode:
     return ep
 
 
-def _tool(env: Any, name: str) -> Tool | None:
-    return next((t for t in env.tools() if t.name == name), None)
-
-
-# ---------------------------------------------------------------- replay
-
-
-@dataclass
-class StepView:
-    """One step of a replayed episode, with the context the agent had when it decided."""
-
-    step: Step
-    history: list[HistoryItem]
-    """The conversation before the step (a copy)."""
-    tools: list[Tool]
-    """The tools available at the step."""
-
-
-def replay(episode: Episode, task: Task, env: Any = None) -> Iterator[StepView]:
-    """Walk an episode's steps, rebuilding the runner's history before each one. `env`: a fresh environment of
-    `task` when `envs.make_env` cannot make one (a typed instruction's); only its tool list per turn is read."""
-    env = env if env is not None else envs.make_env(task)  # nothing is executed
-    history: list[HistoryItem] = []
-    turn = -1
-    for step in episode.steps:
-        while turn < step.turn:
-            turn += 1
-            if hasattr(env, "set_turn"):
-                env.set_turn(turn)
-            history += turn_messages(task, turn)
-        yield StepView(step, list(history), env.tools())
-        history += committed_messages(step.chosen_branch, step.turn)
-
-
 # ---------------------------------------------------------------- rows
 
 
@@ -136,14 +97,6 @@ def act_row_prompt(view: StepView, ctx: PromptContext) -> Prompt:
     prefill = TOOL_CALL_OPEN if call_required(s.tool_choice, view.history) else ""
     return act_prompt(view.tools, view.history, ctx.count_tokens, ctx.context_window,
                       reserve=s.max_action_tokens + 32, prefill=prefill, constrain=s.constrain)
-
-
-def rehearse_row_prompt(view: StepView, call: Call, rehearsal_context: str = "history",
-                        constrain: bool = False, examples: Sequence[MemoryHit] = ()) -> Prompt:
-    """The Rehearse prompt of `call` at a replayed step; `examples`: retrieved real transitions."""
-    tools = {t.name: t for t in view.tools}
-    state = view.step.state_before if rehearsal_context == "history+state" else None
-    return rehearse_prompt(tools.get(call.name), call, view.history, state, constrain=constrain, examples=examples)
 
 
 def act_target(branch: Branch, prefill: str = "") -> str | None:
@@ -185,8 +138,8 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
         for b in step.branches if in_turns or rehearse_all_turns else []:
             if b.kind == "call" and b.call is not None and b.actual_source is not None:
                 examples = _row_memory(ctx, episode, b, recent, f"{ref}/{b.index}")
-                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, b.call, episode.settings.rehearsal_context,
-                                                                  episode.settings.constrain, examples),
+                rows.append(TrainRow("rehearse", view.rehearse_prompt(b.call, episode.settings.rehearsal_context,
+                                                                      episode.settings.constrain, examples),
                                      rehearse_target(b.actual), source, f"{ref}/{b.index}"))
         if ctx.memory is not None:
             recent += observed(step, task_id=episode.task_id, split=task.extra.get("split"), episode_id=episode.id,
@@ -326,14 +279,13 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
                     left_out(f"annotation {ann_id}: a corrected response needs a branch with a tool call; "
                              "its Rehearse row is left out")
                     continue
-                rows.append(TrainRow("rehearse", rehearse_row_prompt(view, call, episode.settings.rehearsal_context,
-                                                                  episode.settings.constrain),
+                rows.append(TrainRow("rehearse", view.rehearse_prompt(call, episode.settings.rehearsal_context,
+                                                                      episode.settings.constrain),
                                      rehearse_target(value), "correction", ref))
     return rows
 
 
 __all__ = [
-    "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "StepView", "act_row_prompt",
-    "act_target", "correction_rows", "episode_rows", "expert_episode", "expert_rows", "rehearse_row_prompt",
-    "replay", "self_training_rows", "single_turn_rows",
+    "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "act_row_prompt", "act_target",
+    "correction_rows", "episode_rows", "expert_episode", "expert_rows", "self_training_rows", "single_turn_rows",
 ]

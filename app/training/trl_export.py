@@ -146,7 +146,7 @@ def row_record(row: TrainRow, branches: dict[str, Branch], tools: list[Tool] | N
 def step_tools(episodes: dict[str, Episode]) -> dict[str, list[Tool]]:
     """`episode/step` -> the tools the agent had at that step (the same replay that built the prompts)."""
     from app.service.catalog import episode_task, task_env
-    from app.training.rows import replay
+    from app.engine.replay import replay
 
     out: dict[str, list[Tool]] = {}
     for ep in episodes.values():

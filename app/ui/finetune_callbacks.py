@@ -1,8 +1,8 @@
 """Callbacks of the Fine-tune tab: preview the corrected data, fine-tune with a live loss, show before/after.
 
 Thin by design: selection, validation, training and registration are `app.training.finetune`'s
-(through `app.training.service`, which also runs the job in a worker thread), the figures
-are `app.training.figures`'; here are only the translations between them and Gradio.
+(through `app.service.finetune`, which also runs the job in a worker thread and builds the figures); here are
+only the translations between them and Gradio.
 """
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ from typing import Any, Callable, Iterator
 
 import gradio as gr
 
-from app.training import figures
-from app.training import service
 from app.config import shipped_adapter
 from app.training.finetune import FinetuneError, FinetuneResult, checkpoint_summary, validate_request
-from app.service import InputError, Services, annotated_episode_choices
+from app.service import InputError, Services, annotated_episode_choices, finetune
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render
@@ -37,7 +35,7 @@ class FinetuneCallbacks:
         self.services = services
         self.run_adapter_choices = run_adapter_choices
         """The Run tab's refresh of its adapter dropdown (a new adapter must become selectable there)."""
-        self.adapter_root = Path(adapter_root or service.ADAPTER_ROOT)
+        self.adapter_root = Path(adapter_root or finetune.ADAPTER_ROOT)
 
     # ------------------------------------------------------------ choices
 
@@ -68,7 +66,7 @@ class FinetuneCallbacks:
 
     def _plan_view(self, episodes: list[str] | None, annotated: bool, warn: bool) -> PlanView:
         try:
-            plan = service.plan(self.services.store, episodes or None, bool(annotated))
+            plan = finetune.plan(self.services.store, episodes or None, bool(annotated))
         except (FinetuneError, StoreError) as exc:
             if warn:
                 gr.Warning(str(exc))
@@ -86,14 +84,14 @@ class FinetuneCallbacks:
         """Validate, start the job (one at a time), stream the loss, then show before/after."""
         skip = gr.skip()
         try:
-            req = service.build_request(
+            req = finetune.build_request(
                 episodes=episodes, annotated=annotated, steps=steps, lr=lr, rank=rank,
-                parent=service.parent_path(parent, C.PARENT_SHIPPED, C.PARENT_NONE),
-                out=service.adapter_dir(name, self.adapter_root), heldout_rows=heldout_rows, agreement=agreement,
+                parent=finetune.parent_path(parent, C.PARENT_SHIPPED, C.PARENT_NONE),
+                out=finetune.adapter_dir(name, self.adapter_root), heldout_rows=heldout_rows, agreement=agreement,
                 max_steps=C.FT_MAX_STEPS, unseen_rows=unseen_rows, replay_ratio=replay_ratio, eval_every=eval_every)
             validate_request(req)  # the parent is an adapter, the directory is new
-            plan = service.plan(self.services.store, req.episodes, req.annotated)  # nothing selected, bad JSON
-            job = service.start(self.services.store, req)
+            plan = finetune.plan(self.services.store, req.episodes, req.annotated)  # nothing selected, bad JSON
+            job = finetune.start(self.services.store, req)
         except (InputError, FinetuneError, StoreError) as exc:
             gr.Warning(str(exc))
             yield (message_html(f"{exc} Nothing was changed.", "error"), *(skip,) * 7)
@@ -105,8 +103,8 @@ class FinetuneCallbacks:
         started = time.perf_counter()
         progress(0.0, desc="Loading the model and measuring the examples before training")
         yield (message_html("Fine-tuning… the model trains on this machine's CPU."),
-               f"{what}\n\nLoading the model and measuring before…", figures.loss_figure([], req.steps), [],
-               figures.comparison_figure({}), skip, skip, skip)
+               f"{what}\n\nLoading the model and measuring before…", finetune.loss_figure([], req.steps), [],
+               finetune.comparison_figure({}), skip, skip, skip)
         losses: list[float] = []
         for event in job.events(C.FT_POLL_S):
             if event is None:
@@ -119,12 +117,12 @@ class FinetuneCallbacks:
                         else f"Training: step {p.step}/{p.steps}, loss {p.loss:.3f}")
                 progress((p.step, p.steps), desc=desc, unit="steps")
                 yield (skip, f"{what}\n\n{desc} ({time.perf_counter() - started:.0f} s)…",
-                       figures.loss_figure(losses, req.steps), skip, skip, skip, skip, skip)
+                       finetune.loss_figure(losses, req.steps), skip, skip, skip, skip, skip)
             elif event.error is not None:
                 text = (f"The fine-tune failed: {event.error}. Nothing was changed: no adapter was registered "
                         "and the parent is untouched.")
                 gr.Warning(text)
-                yield (message_html(text, "error"), what, figures.loss_figure(losses, req.steps), skip, skip,
+                yield (message_html(text, "error"), what, finetune.loss_figure(losses, req.steps), skip, skip,
                        skip, skip, skip)
             else:
                 yield self._finished(event.result, what)
@@ -149,13 +147,13 @@ class FinetuneCallbacks:
         if made:  # the Run tab starts from it now
             run_adapter = gr.Dropdown(choices=[C.NO_ADAPTER] + self.services.adapters(),
                                       value=str(Path(result.path).resolve()))
-        return (message_html(text, "info" if made else "warning"), status, figures.loss_figure(result.losses, len(result.losses)),
-                figures.comparison_rows(result.metrics), figures.comparison_figure(result.metrics),
-                gr.Dropdown(choices=self.parent_choices(), value=self.default_parent()), service.default_name(),
+        return (message_html(text, "info" if made else "warning"), status, finetune.loss_figure(result.losses, len(result.losses)),
+                finetune.comparison_rows(result.metrics), finetune.comparison_figure(result.metrics),
+                gr.Dropdown(choices=self.parent_choices(), value=self.default_parent()), finetune.default_name(),
                 run_adapter)
 
 
-def plan_summary(plan: service.Plan) -> str:
+def plan_summary(plan: finetune.Plan) -> str:
     n = len(plan.branches)
     text = (f"**{n} branch{'es' if n != 1 else ''}** → {plan.act_rows} Act row(s) and "
             f"{plan.rehearse_rows} Rehearse row(s) (episodes: "

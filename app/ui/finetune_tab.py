@@ -5,10 +5,8 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from app.training import figures
 from app.training.finetune import MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, WORSE_BY
-from app.training.service import ADAPTER_ROOT, default_name
-from app.service import Services, annotated_episode_choices
+from app.service import Services, annotated_episode_choices, finetune
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
 from app.ui.finetune_callbacks import PREVIEW_COLUMNS, FinetuneCallbacks
@@ -32,7 +30,8 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
                 rank = gr.Number(d["rank"], label="LoRA rank", info="1-256 (a parent keeps its own)")
             parent = gr.Dropdown(cb.parent_choices(), value=cb.default_parent(), label="Parent adapter",
                                  info="the adapter to continue; it is only read")
-            name = gr.Textbox(default_name, label="New adapter name", info=f"saved to {ADAPTER_ROOT}/<name>")
+            name = gr.Textbox(finetune.default_name, label="New adapter name",
+                              info=f"saved to {finetune.ADAPTER_ROOT}/<name>")
             with gr.Accordion("Before/after measurement", open=False):
                 heldout = gr.Number(d["heldout_rows"], label="Held-out rows",
                                     info=f"0-{MAX_HELDOUT_ROWS} rows of held-out BFCL expert traces (0: skip)")
@@ -57,11 +56,11 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
             table = gr.Dataframe(headers=PREVIEW_COLUMNS, value=[], interactive=False, wrap=True, max_height=260,
                                  label="Branches to train on")
             status = gr.Markdown("")
-            loss = gr.Plot(figures.loss_figure([]), label="Training loss")
+            loss = gr.Plot(finetune.loss_figure([]), label="Training loss")
             # Stacked, full width: the table's last column (the change) stays on screen.
-            comparison = gr.Dataframe(headers=figures.COMPARISON_COLUMNS, value=[], interactive=False, wrap=True,
+            comparison = gr.Dataframe(headers=finetune.COMPARISON_COLUMNS, value=[], interactive=False, wrap=True,
                                       label="Before / after")
-            comparison_figure = gr.Plot(figures.comparison_figure({}), label="Before / after")
+            comparison_figure = gr.Plot(finetune.comparison_figure({}), label="Before / after")
 
     data = [episodes, annotated]
     plan_view = [message, summary, table]
@@ -71,7 +70,7 @@ def build_finetune_tab(services: Services, tab: gr.Tab, run_adapter: gr.Dropdown
     tab.select(cb.refresh, None, [episodes, parent], api_visibility="private").then(
         cb.show_plan, data, plan_view, api_visibility="private")
     # Its own concurrency group, two slots: a second press reaches the callback at once and is
-    # told that a fine-tune is running (one at a time, enforced by app.training.service).
+    # told that a fine-tune is running (one at a time, enforced by app.service.finetune).
     run.click(cb.run, [*data, steps, lr, rank, parent, name, heldout, agreement, unseen, replay, eval_every],
               [message, status, loss, comparison, comparison_figure, parent, name, run_adapter],
               api_name="finetune", concurrency_id="finetune", concurrency_limit=2)
