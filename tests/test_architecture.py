@@ -163,3 +163,44 @@ def test_the_engine_imports_nothing_above_it():
     above = ("app.training", "app.eval", "app.service", "app.ui", "app.cli")
     upward = {m: sorted(d for d in deps if d.startswith(above)) for m, deps in g.items() if m.startswith("app.engine")}
     assert {m: d for m, d in upward.items() if d} == {}
+
+
+def _protocol_members(*protocols: type) -> set[str]:
+    """The names a protocol declares: annotated attributes and methods (its own, not `object`'s)."""
+    out: set[str] = set()
+    for proto in protocols:
+        out |= {n for n in getattr(proto, "__annotations__", {}) if not n.startswith("_")}
+        out |= {n for n, v in vars(proto).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return out
+
+
+def capability_probes(source: str, names: set[str]) -> list[str]:
+    """`getattr(x, "name", ...)` / `hasattr(x, "name")` calls in `source` whose name is in `names`, as
+    `line: code`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_probe_finder_finds_a_probe():
+    src = "def f(env):\n    if hasattr(env, 'close'):\n        env.close()\n    return getattr(env, 'forkable', False)\n"
+    assert capability_probes(src, {"close", "forkable"}) == ["2: hasattr(env, 'close')",
+                                                             "4: getattr(env, 'forkable', False)"]
+    assert capability_probes("getattr(x, name)\nhasattr(y, 'values')\n", {"close"}) == []
+
+
+def test_no_capability_is_probed_with_getattr_in_app():
+    """What an environment, a judge or a policy can do is declared on its protocol (with a default), so
+    `app/` calls it: a probe with getattr/hasattr would hide a wrapper that forgot to forward it."""
+    from app.envs.base import Environment, Judge
+    from model_backend.base import Policy
+
+    names = _protocol_members(Environment, Judge, Policy)
+    assert {"forkable", "fork_refusal", "close", "set_turn", "param_names", "judges_whole_episode",
+            "supports_scoring", "can_compute_ahead", "inner"} <= names
+    found = {str(path.relative_to(ROOT)): probes for path in (ROOT / "app").rglob("*.py")
+             if (probes := capability_probes(path.read_text(), names))}
+    assert found == {}

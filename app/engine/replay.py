@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from app import envs
 from app.engine.history import committed_messages, rehearse_step_prompt, turn_messages
-from app.envs.base import Task, Tool, ToolResult
+from app.envs.base import Environment, Task, Tool, ToolResult
 from app.formats import HistoryItem, in_schema_order
 from app.records import Call, Episode, MemoryHit, Step
 from model_backend.base import Prompt
@@ -32,12 +32,12 @@ def tool_named(tools: Sequence[Tool], name: str) -> Tool | None:
     return {t.name: t for t in tools}.get(name)
 
 
-def ground_truth_calls(task: Task, env: Any) -> Iterator[tuple[int, str, dict[str, Any]]]:
+def ground_truth_calls(task: Task, env: Environment) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(turn, tool name, arguments as the ground truth writes them) of every ground-truth call, in order;
     positional arguments are named by `env`'s parameter lists. Nothing is executed."""
     for turn, calls in enumerate(task.ground_truth or []):
         for call_string in calls:
-            name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
+            name, args = envs.parse_call_string(call_string, env.param_names)
             yield turn, name, args
 
 
@@ -64,16 +64,15 @@ class GoldCall:
         return tool_named(self.tools, self.name)
 
 
-def replay_ground_truth(task: Task, env: Any, turn: int, *, states: bool = False,
+def replay_ground_truth(task: Task, env: Environment, turn: int, *, states: bool = False,
                         before: Callable[[GoldCall], None] | None = None) -> Iterator[GoldCall]:
     """Enter `turn` on `env` and execute the turn's ground-truth calls in order, yielding each once its real
     result is in. `states`: also read the state before and after each call. `before` sees each call before it
     runs (`result` still None; the memory seed explores forks of that state)."""
-    if hasattr(env, "set_turn"):
-        env.set_turn(turn)
+    env.set_turn(turn)
     truth = task.ground_truth or []
     for call_string in truth[turn] if turn < len(truth) else []:
-        name, args = envs.parse_call_string(call_string, getattr(env, "param_names", None))
+        name, args = envs.parse_call_string(call_string, env.param_names)
         tools = env.tools()
         gold = GoldCall(turn=turn, tools=tools, name=name, arguments=args,
                         call=Call(name=name, arguments=in_schema_order(args, tool_named(tools, name))),
@@ -104,7 +103,7 @@ class StepView:
                                     constrain=constrain, examples=examples)
 
 
-def replay(episode: Episode, task: Task, env: Any = None) -> Iterator[StepView]:
+def replay(episode: Episode, task: Task, env: Environment | None = None) -> Iterator[StepView]:
     """Walk an episode's steps, rebuilding the runner's history before each one. `env`: a fresh environment of
     `task` when `envs.make_env` cannot make one (a typed instruction's); only its tool list per turn is read."""
     env = env if env is not None else envs.make_env(task)  # nothing is executed
@@ -113,8 +112,7 @@ def replay(episode: Episode, task: Task, env: Any = None) -> Iterator[StepView]:
     for step in episode.steps:
         while turn < step.turn:
             turn += 1
-            if hasattr(env, "set_turn"):
-                env.set_turn(turn)
+            env.set_turn(turn)
             history += turn_messages(task, turn)
         yield StepView(step, list(history), env.tools())
         history += committed_messages(step.chosen_branch, step.turn)

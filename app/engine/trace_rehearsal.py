@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from app.engine.memory import observed
 from app.engine.planner import StepPlanner

@@ -25,6 +25,7 @@ from app.envs.base import Task
 from app.formats import REHEARSE_STOP, canonical_json, parse_result
 from app.records import Episode, Metrics, RunSettings, utcnow
 from app.store import Recorder, Store
+from model_backend.base import Policy
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def run_eval(cfg: EvalConfig, store: Store, policy: Any | Callable[[], Any], *,
 
     def get_policy() -> Any:
         if not loaded:
-            loaded.append(policy() if callable(policy) and not hasattr(policy, "act") else policy)
+            loaded.append(policy if isinstance(policy, Policy) else policy())
         return loaded[0]
 
     from app.training.memory_seed import open_memory
@@ -274,9 +275,8 @@ class _TaskInfo:
     def __init__(self, task: Task) -> None:
         self.task = task
         env = envs.make_env(task)
-        self.param_names = getattr(env, "param_names", None)
-        if hasattr(env, "set_turn"):
-            env.set_turn(len(task.turns))  # every tool that appears in some turn (miss_func)
+        self.param_names = env.param_names
+        env.set_turn(len(task.turns))  # every tool that appears in some turn (miss_func)
         self.read_only = {t.name: t.read_only for t in env.tools()}
 
     def gold(self, turn: int) -> list[str]:

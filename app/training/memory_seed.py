@@ -48,8 +48,7 @@ def argument_pool(task_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
             for _, name, args in ground_truth_calls(task, env):
                 pool.setdefault(name, {})[canonical_json(args)] = args
         finally:
-            if hasattr(env, "close"):
-                env.close()
+            env.close()
     return {name: list(sets.values()) for name, sets in pool.items()}
 
 
@@ -84,8 +83,7 @@ def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: ran
             for gold in replay_ground_truth(task, env, turn, before=explore_before):
                 out.append(_transition(gold.tool, gold.name, gold.arguments, gold.result, "expert", task))
     finally:
-        if hasattr(env, "close"):
-            env.close()
+        env.close()
     return out
 
 
