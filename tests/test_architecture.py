@@ -134,7 +134,7 @@ def test_the_ui_reaches_engine_envs_and_models_only_through_the_service_layer():
     g = graph()
     ui = {m: deps for m, deps in g.items() if m.startswith("app.ui")}
     assert ui
-    forbidden = ("app.engine", "app.envs", "model_backend", "app.eval", "app.cli")
+    forbidden = ("app.engine", "app.envs", "model_backend", "app.eval", "app.cli", "app.training")
     leaks = {m: sorted(d for d in deps if d.startswith(forbidden)) for m, deps in ui.items()}
     assert {m: d for m, d in leaks.items() if d} == {}
 

@@ -38,7 +38,8 @@ def empty_figure(title: str, why: str = "No data: run some steps (Run tab) or lo
     return fig
 
 
-def _mean(values: Iterable[float | None]) -> float | None:
+def mean_of(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are not None (None when there are none)."""
     vals = [float(v) for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
 
@@ -64,7 +65,7 @@ def fidelity_by_tool(branches: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure()
     for metric in FIDELITY_METRICS:
         values = [[r[metric] for r in by_tool[t] if r[metric] is not None] for t in tools]
-        means = [_mean(v) for v in values]
+        means = [mean_of(v) for v in values]
         fig.add_bar(name=metric, x=labels, y=means, customdata=[len(v) for v in values],
                     text=["" if m is None else f"{m:.2f}" for m in means], textposition="outside",
                     hovertemplate="%{x}: %{y:.2f} (n=%{customdata})<extra>" + metric + "</extra>")
@@ -89,7 +90,7 @@ def divergence_by_step(branches: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure()
     for mode, by_step in sorted(series.items()):
         steps = sorted(by_step)
-        fig.add_scatter(name=mode, x=steps, y=[_mean(by_step[s]) for s in steps], mode="lines+markers",
+        fig.add_scatter(name=mode, x=steps, y=[mean_of(by_step[s]) for s in steps], mode="lines+markers",
                         customdata=[len(by_step[s]) for s in steps],
                         hovertemplate="step %{x}: %{y:.2f} (n=%{customdata})")
     fig.update_layout(title=titled(title, n, "compared responses"), xaxis={"title": "step index", "dtick": 1},
@@ -112,13 +113,13 @@ def success_and_calls_by_mode(episodes: list[dict[str, Any]]) -> go.Figure:
     n_judged = sum(len(v) for v in judged.values())
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"success rate · n={n_judged} judged episodes", f"external calls / episode · n={len(episodes)} episodes"))
-    rates = [_mean(judged[m]) for m in modes]
+    rates = [mean_of(judged[m]) for m in modes]
     labels = [f"{m} (n={len(judged[m])})" for m in modes]
     fig.add_bar(x=labels, y=rates, name="success",
                 customdata=[len(judged[m]) for m in modes], hovertemplate="%{x}: %{y:.2f} (n=%{customdata})",
                 text=["" if r is None else f"{r:.2f}" for r in rates], textposition="outside", row=1, col=1)
     fig.add_bar(x=[f"{m} (n={len(by_mode[m])})" for m in modes],
-                y=[_mean(e["external_calls"] for e in by_mode[m]) for m in modes], name="external calls",
+                y=[mean_of(e["external_calls"] for e in by_mode[m]) for m in modes], name="external calls",
                 customdata=[len(by_mode[m]) for m in modes], hovertemplate="%{x}: %{y:.1f} (n=%{customdata})",
                 row=1, col=2)
     fig.update_yaxes(range=[0, 1.15], row=1, col=1)
@@ -162,7 +163,7 @@ def calibration(branches: list[dict[str, Any]]) -> go.Figure:
     keys = sorted(bins)
     fig = go.Figure()
     fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="perfect", line={"dash": "dot", "color": "gray"})
-    fig.add_scatter(x=[_mean(p for p, _ in bins[k]) for k in keys], y=[_mean(ok for _, ok in bins[k]) for k in keys],
+    fig.add_scatter(x=[mean_of(p for p, _ in bins[k]) for k in keys], y=[mean_of(ok for _, ok in bins[k]) for k in keys],
                     mode="lines+markers", name="observed", customdata=[len(bins[k]) for k in keys],
                     marker={"size": [8 + 2 * min(len(bins[k]), 10) for k in keys]},
                     hovertemplate="score %{x:.2f}: success %{y:.2f} (n=%{customdata})")

@@ -29,8 +29,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from app.config import shipped_adapter
-from app.training.finetune import (MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, FinetuneError, FinetuneRequest, FinetuneResult,
-                                   Selected, build_rows, run_finetune, select_corrections)
+from app.training.finetune import (MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, WORSE_BY, FinetuneError,
+                                   FinetuneRequest, FinetuneResult, Selected, build_rows, checkpoint_summary,
+                                   run_finetune, select_corrections, validate_request)
 from app.service.dashboard import LAYOUT, empty_figure
 from app.service.forms import InputError, parse_number
 from app.store import Store
@@ -311,4 +312,7 @@ def comparison_figure(metrics: dict[str, Any]) -> go.Figure:
 
 __all__ = ["ADAPTER_ROOT", "COMPARISON_COLUMNS", "FinetuneBusyError", "FinetuneJob", "JobEvent", "METRICS", "Plan",
            "PlannedBranch", "adapter_dir", "build_request", "comparison_figure", "comparison_rows", "default_name",
-           "is_running", "loss_figure", "parent_path", "plan", "start"]
+           "is_running", "loss_figure", "parent_path", "plan", "start",
+           # what the Fine-tune tab needs of the training machinery, so the UI reaches it through this layer only
+           "MAX_HELDOUT_ROWS", "MAX_REPLAY_RATIO", "MAX_UNSEEN_ROWS", "WORSE_BY", "FinetuneError", "FinetuneResult",
+           "checkpoint_summary", "validate_request"]

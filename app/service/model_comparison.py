@@ -19,7 +19,7 @@ from app.config import resolve_adapter
 from app.engine.trace_rehearsal import recorded_calls, rehearsal_id
 from app.formats import call_text, canonical_json
 from app.records import Branch, Episode
-from app.service.dashboard import FIDELITY_METRICS, LAYOUT, NO_DATA, _mean, empty_figure, titled
+from app.service.dashboard import FIDELITY_METRICS, LAYOUT, NO_DATA, mean_of, empty_figure, titled
 from app.service.forms import InputError
 from app.store import Store, StoreError
 
@@ -140,7 +140,7 @@ def compare_models(store: Store, episode_ids: list[str], models: list[ModelRef])
             rows = metrics.get((tool, label), [])
             row: dict[str, Any] = {"tool": tool, "model": label, "n": len(rows)}
             for name in FIDELITY_METRICS:
-                mean = _mean(getattr(b.metrics, name) for b in rows)
+                mean = mean_of(getattr(b.metrics, name) for b in rows)
                 row[name] = None if mean is None else round(mean, 4)
             out.rows.append(row)
     return out

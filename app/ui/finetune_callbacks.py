@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from app.config import shipped_adapter
-from app.training.finetune import FinetuneError, FinetuneResult, checkpoint_summary, validate_request
 from app.service import InputError, Services, annotated_episode_choices, finetune
+from app.service.finetune import FinetuneError, FinetuneResult, checkpoint_summary, validate_request
 from app.store import StoreError
 from app.ui import constants as C
 from app.ui import render

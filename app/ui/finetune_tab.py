@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from app.training.finetune import MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, WORSE_BY
+from app.service.finetune import MAX_HELDOUT_ROWS, MAX_REPLAY_RATIO, MAX_UNSEEN_ROWS, WORSE_BY
 from app.service import Services, annotated_episode_choices, finetune
 from app.ui import constants as C
 from app.ui.assets import VIEW_CSS
