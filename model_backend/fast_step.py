@@ -33,6 +33,7 @@ unmerged adapter, other architectures, forward hooks) decodes as before.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -174,9 +175,23 @@ def lean_supported(model: Any, cache: Any) -> bool:
     return type(inner.norm) is LlamaRMSNorm and type(model.lm_head) in linears
 
 
+ENV = "ENVACE_FAST_STEP"
+"""Set to 0 to turn the whole accelerator off (the lean step, the native library, the native fp16 layers): every
+step is the ordinary forward and quantized layers are torch's own. `ENVACE_NATIVE=0` turns off the native library
+alone."""
+
+
+def enabled() -> bool:
+    """Whether the accelerator is on (`ENVACE_FAST_STEP`, read at each use; on by default)."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
 def decode_step(model: Any, cache: Any) -> Step:
-    """The lean step where it applies (see `lean_supported`), else the ordinary forward."""
-    return lean_step(model, cache) if lean_supported(model, cache) else generic_step(model, cache)
+    """The accelerator's entry point for the decoder: the lean step where it applies (see `lean_supported`) and
+    the accelerator is on (`enabled`), else the ordinary forward."""
+    if enabled() and lean_supported(model, cache):
+        return lean_step(model, cache)
+    return generic_step(model, cache)
 
 
 class _Same:
@@ -309,7 +324,7 @@ def prepare_native(model: Any) -> None:
     prefill's products natively too (a lean step builds them otherwise, after the first prefill)."""
     from .kv_cache import new_cache
 
-    if lean_supported(model, new_cache(model.config)):
+    if enabled() and lean_supported(model, new_cache(model.config)):
         _native_weights(model)
 
 

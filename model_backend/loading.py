@@ -273,10 +273,11 @@ def quantize_linears(model: Any, weights: str) -> Any:
         return model
     if type(model).__name__.startswith("Peft"):
         raise ValueError("quantized weights need the adapter merged (merge_adapter=True)")
-    from .fast_step import NativeLinear  # fbgemm's fp16 layer, whose many-row products may run natively
+    from . import fast_step  # NativeLinear: fbgemm's fp16 layer, whose many-row products may run natively
 
+    mapping = {torch.nn.Linear: fast_step.NativeLinear} if fast_step.enabled() else None  # None: torch's own
     return quantize_dynamic(model, {torch.nn.Linear: float16_dynamic_qconfig}, dtype=torch.float16,
-                            mapping={torch.nn.Linear: NativeLinear}, inplace=True)
+                            mapping=mapping, inplace=True)
 
 
 def load_model(

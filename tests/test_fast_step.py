@@ -154,3 +154,32 @@ def test_a_chunk_of_tokens_through_the_lean_step_is_the_forwards() -> None:
     for a, b in zip(lean_chunk, forward_chunk):
         assert_same_function(a, b)
     assert_same_function(lean_after, forward_after)
+
+
+def test_the_accelerator_turns_off_as_a_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ENVACE_FAST_STEP=0`: the decoder's one entry point gives the ordinary forward, and fp16 layers are torch's
+    own (no native layer): the accelerator is optional as a whole, and the logits stay the forward's."""
+    from torch.ao.nn.quantized.dynamic import Linear as QuantizedLinear
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_backend import loading
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    cache = decoding.new_cache(model.config)
+    assert fast_step.enabled() and fast_step.decode_step(model, cache).__qualname__.startswith("lean_step")
+    seqs = [[1, 5, 9, 3, 7]]
+    on = decode_logits(model, seqs, fast_step.decode_step, steps=2)
+    monkeypatch.setenv(fast_step.ENV, "0")
+    assert not fast_step.enabled()
+    assert fast_step.decode_step(model, cache).__qualname__.startswith("generic_step")
+    off = decode_logits(model, seqs, fast_step.decode_step, steps=2)
+    assert_same_function(on, off)
+    quantized = loading.quantize_linears(LlamaForCausalLM(config).eval(), "fp16")
+    layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and not any(isinstance(m, fast_step.NativeLinear) for m in layers)
+    monkeypatch.setenv(fast_step.ENV, "1")
+    again = loading.quantize_linears(LlamaForCausalLM(config).eval(), "fp16")
+    assert any(isinstance(m, fast_step.NativeLinear) for m in again.modules())
