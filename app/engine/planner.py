@@ -48,7 +48,7 @@ class StepPlanner:
         if settings.relevance > 0 and not policy.supports_scoring:
             # The ranking scores tool names and requests (prompt log-probabilities); a server without them
             # runs with the greedy action's tool, and the settings say so.
-            log.warning("%s cannot score prompts: tool relevance off for this episode", policy.name)
+            log.warning("%s cannot score prompts: tool relevance off for these steps", policy.name)
             settings = settings.model_copy(update={"relevance": 0.0})
         self.rehearser: Rehearser = rehearser if rehearser is not None else strategies.rehearser_for(settings)
         """Fills in candidates' responses: the model's prediction, or (real best-of-K) execution on forks."""
