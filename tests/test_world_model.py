@@ -67,6 +67,16 @@ def test_bad_tools_say_what_to_fix(tools, message):
         parse_tools(tools)
 
 
+def test_an_error_about_a_name_with_a_newline_stays_on_one_line():
+    """Found by the fuzz test in CI: a tool named "0\\n" broke the one-line message the client shows."""
+    with pytest.raises(WorldModelInputError) as bad_schema:
+        parse_tools([{"name": "0\n", "inputSchema": {"type": "object", "properties": None}}])
+    assert "\n" not in str(bad_schema.value) and str(bad_schema.value).startswith("tools[0] (0\\n): inputSchema")
+    with pytest.raises(WorldModelInputError) as unknown:
+        parse_call({"name": "cat", "arguments": {}}, parse_tools([{"name": "0\n0"}]))
+    assert str(unknown.value) == "unknown tool 'cat'; the tools are: 0\\n0"
+
+
 def test_bad_calls_and_history_say_what_to_fix():
     tools = parse_tools([{"name": "ls"}])
     with pytest.raises(WorldModelInputError, match="unknown tool 'rm'; the tools are: ls"):

@@ -36,7 +36,11 @@ MAX_K = 8
 
 
 class WorldModelInputError(ValueError):
-    """Tools, history or a call the world model cannot read; the message says what to fix."""
+    """Tools, history or a call the world model cannot read; the message says what to fix, on one line (a
+    newline in what it quotes, such as a tool's name, is written `\\n`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 @dataclass
