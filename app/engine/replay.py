@@ -99,8 +99,8 @@ class StepView:
                         examples: Sequence[MemoryHit] = ()) -> Prompt:
         """The Rehearse prompt of `call` at this step, as the live rehearser builds it; `examples`: retrieved
         real transitions."""
-        return rehearse_step_prompt(tool_named(self.tools, call.name), call, self.history, self.step.state_before, rehearsal_context,
-                                    constrain=constrain, examples=examples)
+        return rehearse_step_prompt(tool_named(self.tools, call.name), call, self.history, self.step.state_before,
+                                    rehearsal_context, constrain=constrain, examples=examples)
 
 
 def replay(episode: Episode, task: Task, env: Environment | None = None) -> Iterator[StepView]:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from app import envs
 from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER, shipped_adapter
 from app.divergence import aggregate, compare, looping
-from app.engine.replay import replay
+from app.engine.replay import replay, tool_named
 from app.eval.evaluation import access_of, call_matches, episode_metrics, fidelity_by
 from app.formats import REHEARSE_STOP, parse_result
 from app.records import Episode, RunSettings, Transition
@@ -166,7 +166,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
             b = view.step.chosen_branch
             if b.kind != "call" or b.call is None or (max_calls is not None and len(prompts) >= max_calls):
                 continue
-            tool = next((t for t in view.tools if t.name == b.call.name), None)
+            tool = tool_named(view.tools, b.call.name)
             examples = memory.retrieve(b.call, scope, memory_k, recent) if memory is not None else []
             prompts.append(view.rehearse_prompt(b.call, constrain=constrain, examples=examples))
             items.append((task_id, b.call, b.actual, tool, examples))

@@ -295,16 +295,17 @@ def heldout_rows(ctx: PromptContext, n: int, seed: int = 0) -> list[Any]:
 # ---------------------------------------------------------------- unseen calls: does it fix the tool, keep the rest?
 
 
-Transition = tuple[str, str]
-"""(canonical call, Rehearse target text): one real transition, as a Rehearse row trains or measures it. The
-same call in another state (`ls()` in another folder) is another transition."""
+TransitionKey = tuple[str, str]
+"""(canonical call, Rehearse target text): the key of one real transition as a Rehearse row trains or measures it
+(the memory's record of one is `records.Transition`). The same call in another state (`ls()` in another folder)
+is another transition."""
 
 
-def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set[Transition]]:
+def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set[TransitionKey]]:
     """(tools, transitions) the corrections train on. Tools: each corrected branch's tool, or its corrected call's.
     Transitions: each Rehearse row's (call, target), the corrected response (or, for a label alone, the real one)."""
     tools: set[str] = set()
-    trained: set[Transition] = set()
+    trained: set[TransitionKey] = set()
     for s in selected:
         _, branch = store.get_branch(s.branch_id)
         call = branch.call if branch.kind == "call" else None
@@ -320,7 +321,7 @@ def trained_calls(store: Store, selected: list[Selected]) -> tuple[set[str], set
     return tools, trained
 
 
-def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[Transition], n: int, seed: int = 0,
+def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[TransitionKey], n: int, seed: int = 0,
                  task_ids: list[str] | None = None) -> dict[str, list[tuple[str, Any]]]:
     """Rehearse rows of real transitions never trained on, as {group: [(tool, row)]}: up to `n` calls of the
     corrected `tools` and a fixed sample of `n` calls of the other tools, from the expert replays of the first
@@ -440,8 +441,9 @@ def _calls(episode: Episode) -> dict[str, Any]:
             if b.call is not None}
 
 
-def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, tools: set[str], trained: set[Transition],
-                    selection: int, seed: int = 0) -> tuple[list[Any], dict[str, list[tuple[str, Any]]]]:
+def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, tools: set[str],
+                    trained: set[TransitionKey], selection: int,
+                    seed: int = 0) -> tuple[list[Any], dict[str, list[tuple[str, Any]]]]:
     """(replay rows, validation calls) from expert replays of the BFCL training split, in a seeded task order.
 
     Replay: `round(ratio * k)` rows of each role the corrections have `k` rows of, sampled (seeded) from the
@@ -456,7 +458,7 @@ def training_sample(ctx: PromptContext, corrections: list[Any], ratio: float, to
     want = {role: round(ratio * sum(r.role == role for r in corrections)) for role in ("act", "rehearse")}
     pool: dict[str, list[Any]] = {"act": [], "rehearse": []}
     picked: dict[str, list[tuple[str, Any]]] = {CORRECTED: [], OTHERS: []}
-    seen: set[Transition] = set(trained)  # the trained and the replay's transitions: never a validation call
+    seen: set[TransitionKey] = set(trained)  # the trained and the replay's transitions: never a validation call
     replays = _training_replays(seed)
     for task, episode in replays:  # the replay's tasks: until each role's pool holds 3x what it needs
         if all(len(pool[role]) >= 3 * n for role, n in want.items()):

@@ -76,7 +76,11 @@ def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: ran
                 continue
             other_args = rng.choice(choices)
             fork = env.fork()
-            out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore", task))
+            try:
+                out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore",
+                                       task))
+            finally:
+                fork.close()  # a fork may hold a server process (MCP); the declared default does nothing
 
     try:
         for turn in range(len(task.ground_truth or [])):
