@@ -54,8 +54,8 @@ run: setup
 test: setup browser-deps mcp-deps
 	$(PYTHON) -m pytest -q --durations=20
 
-test-fast: setup mcp-deps
-	$(PYTHON) -m pytest -q -m "not slow and not browser"
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow and not browser and not mcp" -n auto --dist loadfile
 
 bench: setup
 	$(PYTHON) bench/run_all.py

@@ -8,6 +8,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test-fast` runs two workers (pytest-xdist) on two cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one math thread each, or torch's threads fight over the cores
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

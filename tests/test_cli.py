@@ -63,6 +63,7 @@ def test_help_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow  # starts the whole app in a subprocess (8 s each on 2 cores)
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_serve_shuts_down_cleanly_on_sigterm_and_ctrl_c(tmp_path, sig):
     import signal

@@ -398,3 +398,36 @@ def test_the_verdict_names_each_corrected_tool_and_the_others_with_an_interval()
     assert {"unseen cd calls (n=2)", "unseen other tools (n=2)"} <= set(labels)
     with pytest.raises(FinetuneError, match="unseen calls must be between 0 and 200"):
         validate_request(FinetuneRequest(out=Path("/nonexistent/new"), unseen_rows=500))
+
+
+class RecordingRehearser:
+    """A scripted policy (a unit test of the scoring loop, not a model): answers each Rehearse prompt with the text
+    scripted for it and records every batch with its token budget."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers, self.batches = answers, []
+
+    def rehearse(self, prompts: list[Any], config: Any) -> list[Any]:
+        self.batches.append((config.max_new_tokens, [p.messages[0]["content"] for p in prompts]))
+        return [SimpleNamespace(text=self.answers[p.messages[0]["content"]]) for p in prompts]
+
+
+def test_unseen_scores_decode_rows_of_one_budget_together_and_keep_each_rows_result() -> None:
+    from app.training.finetune import SCORE_BATCH, rehearse_budget, rehearse_exact
+    from model_backend.base import Prompt
+
+    n = SCORE_BATCH + 3
+    rows = [SimpleNamespace(prompt=Prompt([{"role": "user", "content": f"call {i}"}]),
+                            target=f'<execution_result>{{"i": {i}}}</execution_result>') for i in range(n)]
+    encoded = [SimpleNamespace(n_target=300 if i == 5 else 10) for i in range(n)]  # row 5 needs a larger budget
+    answers = {f"call {i}": (f'{{"i": {i}}}</execution_result>' if i % 3 else
+                             ('{"i": -1}</execution_result>' if i % 2 else "{not json"))
+               for i in range(n)}
+    policy = RecordingRehearser(answers)
+    assert rehearse_exact(policy, rows, encoded) == [bool(i % 3) for i in range(n)]
+    budgets = [b for b, _ in policy.batches]
+    assert sorted(set(budgets)) == [128, rehearse_budget(encoded[5])] and rehearse_budget(encoded[5]) > 128
+    assert all(len(p) <= SCORE_BATCH for _, p in policy.batches)
+    assert [p for b, p in policy.batches if b > 128] == [["call 5"]]  # alone with its own budget
+    assert sorted(x for _, p in policy.batches for x in p) == sorted(answers)  # every row once
+    assert len(policy.batches) == 3  # 10 rows of budget 128 in two batches, row 5 in its own

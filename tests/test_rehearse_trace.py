@@ -23,6 +23,8 @@ from app.service.rehearsal import rehearse_episodes
 from app.store import Store
 from app.training.rows import expert_episode
 
+pytestmark = pytest.mark.slow  # every test rehearses with the real embedded model (the `policies` fixture)
+
 TOKENS = 48
 SHIPPED = shipped_adapter()
 

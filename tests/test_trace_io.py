@@ -141,7 +141,8 @@ def test_oversized_files_and_lines_are_refused_before_reading(exported, tmp_path
     assert "missing.jsonl: no such file; nothing was imported" in capsys.readouterr().err
 
 
-def test_a_locked_database_imports_nothing(exported, tmp_path: Path, capsys) -> None:
+def test_a_locked_database_imports_nothing(exported, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("app.store.BUSY_TIMEOUT_S", 0.2)  # the wait is not what is tested (5 s in the app)
     out, _, _ = exported
     db = tmp_path / "dst.db"
     Store(db)

@@ -246,12 +246,7 @@ def correction_metrics(policy: Any, model: Any, tokenizer: Any, rows: list[Any],
         out["rehearse_nll"] = round(sum(nll) / len(nll), 4)
         out["rehearse_nll_rows"] = [round(x, 4) for x in nll]
         if agreement:
-            exact = 0
-            for row, enc in zip(rehearse, encoded):
-                config = GenerationConfig(max_new_tokens=rehearse_budget(enc), temperature=0.0, stop=REHEARSE_STOP)
-                predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
-                exact += error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0])
-            out["rehearse_exact"] = round(exact / len(rehearse), 4)
+            out["rehearse_exact"] = round(sum(rehearse_exact(policy, rehearse, encoded)) / len(rehearse), 4)
     act = [r for r in rows if r.role == "act"]
     if act:
         encoded, _ = encode_rows(tokenizer, act)
@@ -350,22 +345,40 @@ def unseen_probe(ctx: PromptContext, tools: set[str], trained: set[TransitionKey
     return {group: (items if len(items) <= n else rng.sample(items, n)) for group, items in pool.items()}
 
 
+SCORE_BATCH = 8  # Rehearse rows decoded together when scoring them
+
+
+def rehearse_exact(policy: Any, rows: list[Any], encoded: list[Any]) -> list[bool]:
+    """Whether the greedy Rehearse output of each row (its encoding in `encoded`) equals its target. Rows with the
+    same token budget decode in one batch (most share the 128-token floor); a batch decodes each row as it decodes
+    alone (`test_rehearse_batch_equals_each_alone`), so batching changes no result."""
+    from model_backend.base import GenerationConfig
+
+    by_budget: dict[int, list[int]] = {}
+    for i, enc in enumerate(encoded):
+        by_budget.setdefault(rehearse_budget(enc), []).append(i)
+    texts: dict[int, str] = {}
+    for budget, idx in by_budget.items():
+        config = GenerationConfig(max_new_tokens=budget, temperature=0.0, stop=REHEARSE_STOP)
+        for start in range(0, len(idx), SCORE_BATCH):
+            part = idx[start:start + SCORE_BATCH]
+            for i, gen in zip(part, policy.rehearse([rows[i].prompt for i in part], config)):
+                texts[i] = gen.text
+    out = []
+    for i, row in enumerate(rows):
+        predicted, error = parse_result(texts[i])
+        out.append(error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0]))
+    return out
+
+
 def rehearse_scores(policy: Any, model: Any, tokenizer: Any, rows: list[Any]) -> list[tuple[bool, float]]:
     """(greedy Rehearse output equals the target, NLL of the target) of each Rehearse row."""
-    from model_backend.base import GenerationConfig
     from model_backend.training import encode_rows, nll_of_rows
 
     if not rows:
         return []
     encoded, _ = encode_rows(tokenizer, rows)
-    nll = nll_of_rows(model, encoded)
-    out = []
-    for row, enc, loss in zip(rows, encoded, nll):
-        config = GenerationConfig(max_new_tokens=rehearse_budget(enc), temperature=0.0, stop=REHEARSE_STOP)
-        predicted, error = parse_result(policy.rehearse([row.prompt], config)[0].text)
-        out.append((error is None and canonical_json(predicted) == canonical_json(parse_result(row.target)[0]),
-                    float(loss)))
-    return out
+    return list(zip(rehearse_exact(policy, rows, encoded), (float(x) for x in nll_of_rows(model, encoded))))
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -727,7 +740,7 @@ def _register(store: Store, adapter_id: str, out: Path, parent: str | None, data
 
 
 __all__ = ["CORRECTED", "EVAL_EVERY", "OTHERS", "REPLAY_RATIO", "Checkpoint", "EarlyStopping", "checkpoint_summary",
-           "default_decision",
-           "training_sample", "FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected", "build_rows",
-           "correction_metrics", "rehearse_scores", "summarize_unseen", "trained_calls", "unseen_probe", "verdict_line",
-           "wilson", "heldout_rows", "run_finetune", "select_corrections", "validate_request"]
+           "default_decision", "training_sample", "FinetuneError", "FinetuneRequest", "FinetuneResult", "Selected",
+           "build_rows", "correction_metrics", "rehearse_exact", "rehearse_scores", "summarize_unseen",
+           "trained_calls", "unseen_probe", "verdict_line", "wilson", "heldout_rows", "run_finetune",
+           "select_corrections", "validate_request"]
