@@ -22,7 +22,7 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 # The README's short table: the rows of the full table whose figure starts with one of these.
 SHORT_ROWS = ("step p50, shipped adapter", "Step's wait once the step was computed ahead",
               "decode tokens/s, batch 1, fp16 weights (the CPU default", "decode tokens/s, batch 4, all rows, fp16 weights (the default)",
-              "prefix cache speed-up", "UI overhead per step")
+              "prefix cache speed-up", "UI overhead per step", "corrections fine-tune")
 
 
 def load(name: str) -> dict:
@@ -174,6 +174,19 @@ def table() -> str:
     if pc.get("speedup_step3_on") is not None:
         rows.append(f"| prefix cache speed-up, steps 3 and later (same decisions: {pc['same_decisions']}) | "
                     f"{fmt(pc['speedup_step3_on'], 'x')} | >= 2x |")
+    cor = load("corrections")
+    if cor.get("finished"):
+        u = cor["unseen"]
+
+        def moved(group: str) -> str:
+            g = u.get(group, {})
+            return (f"{fmt(g['before']['rehearse_exact'])} -> {fmt(g['after']['rehearse_exact'])} (n={g['n']})"
+                    if g.get("n") else "n/a")
+
+        rows.append(f"| corrections fine-tune, simulated annotator (`bench_corrections.py`, N={cor['corrections']} of "
+                    f"{', '.join(cor['corrected_tools'])}): Rehearse exact on unseen calls, corrected tools / other tools; "
+                    f"the fine-tune's wall time | {moved('corrected tools')} / {moved('other tools')}; "
+                    f"{fmt(cor['finetune_wall_s'], ' s')} | +0.15 / >= -0.02; <= 180 s |")
     return "\n".join(rows)
 
 

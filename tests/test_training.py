@@ -382,3 +382,26 @@ def test_single_turn_rows_teach_tool_selection_from_bfcl_answers() -> None:
     ctx = PromptContext(count, 8192, RunSettings(tool_choice="first"))
     assert all(r.prompt.prefill == "<tool_call>" and not r.target.startswith("<tool_call>")
                for r in single_turn_rows(ctx, ["multiple"]))
+
+
+@pytest.mark.slow
+def test_the_fine_tunes_measurements_decode_as_the_app_and_leave_the_training_model_alone(shipped_policy) -> None:
+    """`measuring_policy` (before/after greedy outputs) folds the LoRA into a copy: it writes what the app's own
+    policy for that adapter writes, and the training model keeps its unmerged LoRA and its weights."""
+    import torch
+
+    from app.config import shipped_adapter
+    from app.training.finetune import measuring_policy
+    from model_backend import load_model
+    from model_backend.base import GenerationConfig, Prompt
+
+    loaded = load_model("embedded", adapter=shipped_adapter())
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if "lora_" in n}
+    assert before  # the training model is a PEFT model with its LoRA unmerged
+    measured = measuring_policy(loaded, loaded.model)
+    prompts = [Prompt([{"role": "user", "content": f"Simulate cd(folder='d{i}') in a file system. Reply with JSON."}],
+                      prefill="<execution_result>") for i in range(3)]
+    config = GenerationConfig(max_new_tokens=24, temperature=0.0, stop=("</execution_result>",))
+    assert [g.text for g in measured.rehearse(prompts, config)] == [g.text for g in shipped_policy.rehearse(prompts, config)]
+    after = {n: p for n, p in loaded.model.named_parameters() if "lora_" in n}
+    assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in before)
