@@ -51,8 +51,10 @@ mcp-deps: $(MCP_STAMP)
 run: setup
 	$(PYTHON) -m app serve
 
+# Every core (pytest-xdist), a module per worker at a time, the modules with slow, browser or mcp tests first
+# (tests/conftest.py `heavy_modules_first`): 12.4 minutes on 2 cores where one process took 17-18.
 test: setup browser-deps mcp-deps
-	$(PYTHON) -m pytest -q --durations=20
+	$(PYTHON) -m pytest -q --durations=20 -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow and not browser and not mcp" -n auto --dist loadfile

@@ -57,7 +57,7 @@ def install_nodeps() -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     install_nodeps()
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
     from app.ui import constants as C
 
     # Spaces set GRADIO_SERVER_NAME/PORT; the database defaults to /data (persistent storage) when present.
@@ -67,7 +67,7 @@ def main() -> None:
     stop = shutdown_event()  # SIGTERM (a Space stopping) and Ctrl+C shut the server down cleanly
     demo.launch(max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True)
     wait_for(stop)
-    demo.close()
+    close_demo(demo)
 
 
 if __name__ == "__main__":

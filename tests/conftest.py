@@ -30,12 +30,32 @@ def pytest_addoption(parser) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     """`engines` tests need the benchmark environment (`make check-engines` builds it): deselected without
     `--engines`, so `make test` and `make test-fast` never start them (deselected, not skipped: they are not run)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy_modules_first(items)
     if config.getoption("--engines"):
         return
     keep = [item for item in items if item.get_closest_marker("engines") is None]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("engines")])
         items[:] = keep
+
+
+HEAVY = ("slow", "browser", "mcp")
+
+
+def heavy_modules_first(items: list) -> None:
+    """Under pytest-xdist (`make test`, `make test-fast`: `--dist loadfile --no-loadscope-reorder`), the modules
+    with a `slow`, `browser` or `mcp` test go first, each module's tests kept together and in order. The workers
+    take modules in this order as they come free, so the long ones (the Spaces venv, eight browsers, real
+    fine-tunes) start early and the short ones fill the end; in file order a long module near the end (the
+    `test_ui_*` files) ran on one worker while the other sat idle."""
+    order: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        heavy = any(item.get_closest_marker(m) is not None for m in HEAVY)
+        order[module] = min(order.get(module, 1), 0 if heavy else 1)
+    first_seen = {m: i for i, m in enumerate(dict.fromkeys(it.nodeid.split("::", 1)[0] for it in items))}
+    items.sort(key=lambda it: (order[it.nodeid.split("::", 1)[0]], first_seen[it.nodeid.split("::", 1)[0]]))
 
 
 # ---------------------------------------------------------------- shared fixtures

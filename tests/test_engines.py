@@ -145,7 +145,7 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
     spec: the step's calls constrained (the model line says `gbnf`), judged, rehearsed."""
     from playwright.sync_api import expect, sync_playwright
 
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
     from app.ui import constants as C
     from browser import launch
     from helpers import wait_until
@@ -202,7 +202,7 @@ def test_a_step_in_the_browser(llama: tuple[str, str], tmp_path: Path) -> None:
                                   "branches": len(step.branches), "selector": episode.settings.selector,
                                   "relevance": episode.settings.relevance}
     finally:
-        demo.close()
+        close_demo(demo)
 
 
 def test_step_time_against_the_local_backend(llama: tuple[str, str]) -> None:

@@ -280,7 +280,7 @@ def test_the_run_tab_sends_a_typed_user_message(tmp_path) -> None:
     """Through gradio_client: the typed message opens the episode in place of the scripted one."""
     from gradio_client import Client
 
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
     from app.ui import constants as C
 
     demo = build_demo(db_path=str(tmp_path / "ui.db"), policy_loader=lambda m, a: ScriptedPolicy([["Hello!"]] * 9))
@@ -303,7 +303,7 @@ def test_the_run_tab_sends_a_typed_user_message(tmp_path) -> None:
         _, status, chat, *_ = client.predict(**form, api_name="/step")
         assert "Hello!" in json.dumps(chat) and "finished" in status.lower()
     finally:
-        demo.close()
+        close_demo(demo)
 
 
 def test_typed_turns_are_stored_shown_in_traces_and_restored_on_continue(tmp_path) -> None:

@@ -342,7 +342,7 @@ def test_a_run_on_a_recorded_trace_marks_unrecorded_calls_and_refused_forks() ->
 def test_the_served_traces_tab_imports_an_upload_and_exports_otlp(tmp_path: Path) -> None:
     from gradio_client import Client, handle_file
 
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
 
     demo = build_demo(db_path=str(tmp_path / "ui.db"), policy_loader=lambda model, adapter: None)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
@@ -361,4 +361,4 @@ def test_the_served_traces_tab_imports_an_upload_and_exports_otlp(tmp_path: Path
         assert "Exported 2 episode(s) as OTLP/JSON traces." in said
         assert sorted(ep.id for ep in parse_otlp(Path(download).read_bytes())) == sorted(ids)
     finally:
-        demo.close()
+        close_demo(demo)

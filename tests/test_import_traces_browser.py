@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from app.ui import constants as C
 from browser import launch
 
@@ -25,7 +25,7 @@ def served(tmp_path_factory):
     demo = build_demo(db_path=str(db), policy_loader=lambda model, adapter: None)  # no step runs here
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
     yield demo, url
-    demo.close()
+    close_demo(demo)
 
 
 def _upload(page, path: Path, fmt_label: str) -> None:

@@ -208,7 +208,7 @@ def test_compare_two_adapters_per_tool_with_a_figure(store, policies, capsys):
 
 
 def test_traces_tab_rehearses_and_compares_through_the_app(store, policies):
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
 
     for adapter in (SHIPPED, None):  # what the compare test rehearsed (when this test runs alone)
         if not store.list_episodes(id=rehearsal_id(THREE, "embedded", adapter)):
@@ -233,7 +233,7 @@ def test_traces_tab_rehearses_and_compares_through_the_app(store, policies):
         html = c.predict(picked, api_name="/open_disagreement")
         assert f"embedded@{SHIPPED}" in html and "embedded@none" in html and html.count("ea-card-head") == 2
     finally:
-        demo.close()
+        close_demo(demo)
 
 
 def test_all_skips_what_cannot_be_rehearsed_and_says_why(tmp_path, capsys):

@@ -14,7 +14,7 @@ from gradio_client import Client
 from helpers import form, gradio_queue_idle, wait_until
 from scripted import ScriptedPolicy
 
-from app.ui import SWITCH_INTERVAL_S, build_demo
+from app.ui import SWITCH_INTERVAL_S, build_demo, close_demo
 from app.ui import constants as C
 
 LS = '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'
@@ -46,7 +46,7 @@ def app(tmp_path_factory):
     demo = build_demo(db_path=str(db), policy_loader=loader)
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)  # first free port
     yield demo, url
-    demo.close()
+    close_demo(demo)
 
 
 def client(app) -> Client:
@@ -356,7 +356,7 @@ def test_run_tab_step_against_a_server_without_prompt_logprobs(tmp_path):
             assert ("constraints not kept by the server (it refused or ignored vllm-lark, sglang-lark, gbnf, vllm, "
                     "openai, llama.cpp, sglang)") in status
         finally:
-            demo.close()
+            close_demo(demo)
 
 
 @pytest.mark.parametrize("model, expected", [("openai:http://127.0.0.1:8080/v1#m", C.NO_ADAPTER),
@@ -367,3 +367,47 @@ def test_picking_a_served_model_clears_the_lora_adapter(model, expected):
     from app.service import forms
 
     assert forms.adapter_for_model(model, "fixtures/adapters/x", C.NO_ADAPTER) == expected
+
+
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_close_demo_sets_the_stop_event_on_the_servers_loop_while_streams_come_and_go(trial):
+    """`close_demo` sets the app's stop event on the server's own event loop. Gradio's `close()` sets it from
+    the calling thread while the loop adds and removes waiters (each open stream waits on it): under load that
+    raised "RuntimeError: deque mutated during iteration" (a `make test` teardown with two workers; with this
+    test's churn and a 1 us switch interval, plain `close()` raised it in 6 of 10 tries, `close_demo` in 0).
+    Every waiter wakes and the port is freed."""
+    import asyncio
+    import socket
+    import sys
+
+    import gradio as gr
+
+    with gr.Blocks() as demo:
+        gr.Markdown("x")
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    port, event = demo.server_port, demo.app.stop_event
+    loop = demo.server.servers[0].get_loop()  # the loop the server runs on (its own thread)
+
+    async def churn() -> None:  # streams that open and close: waiters added and removed on the loop
+        while not event.is_set():
+            waiter = asyncio.ensure_future(event.wait())
+            await asyncio.sleep(0)
+            waiter.cancel()
+            await asyncio.sleep(0)
+
+    waiters = [asyncio.run_coroutine_threadsafe(event.wait(), loop) for _ in range(3000)]
+    for _ in range(20):
+        asyncio.run_coroutine_threadsafe(churn(), loop)
+    wait_until(lambda: len(getattr(event, "_waiters", ())) >= 3000, 30, message="the waiters never parked")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: the race's window, wide open
+    try:
+        close_demo(demo)
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(w.result(timeout=10) is True for w in waiters)
+    assert event.is_set()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

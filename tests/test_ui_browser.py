@@ -18,7 +18,7 @@ import pytest
 
 import model_backend.policy as policy_module
 from app.service import session as session_module
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from browser import launch
 from app.ui import constants as C
 
@@ -38,7 +38,7 @@ def served(tmp_path_factory):
     demo = build_demo(db_path=str(db))  # the real embedded model, loaded on the first Step
     _, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)  # first free port
     yield demo, url
-    demo.close()
+    close_demo(demo)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 from app import envs
 from app.config import shipped_adapter
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from browser import launch
 from helpers import gradio_queue_idle, wait_until
 from app.ui import constants as C
@@ -96,7 +96,7 @@ def test_eight_sessions_at_once_see_only_their_own_complete_episodes(tmp_path) -
         # Nothing left running that could still add a step the pages did not show.
         wait_until(lambda: gradio_queue_idle(demo), 600, interval=0.5, message="the queue never emptied")
     finally:
-        demo.close()
+        close_demo(demo)
     assert errors == [], "\n".join(errors)
     store = demo.services.store
     rows = store.list_episodes()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app.envs import MOCK_TASK_ID
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from app.ui import constants as C
 from browser import launch
 from scripted import ScriptedPolicy
@@ -116,7 +116,7 @@ def test_the_end_reason_the_discard_question_and_the_task_search_read_in_the_bro
             announced = page.evaluate("window.__announced")
             browser.close()
     finally:
-        demo.close()
+        close_demo(demo)
     assert [r["id"] for r in store.list_episodes()] != [] and stopped not in [r["id"] for r in store.list_episodes()]
     # The announcer spoke (so the check below is not vacuous); whether it says "Complete" depends on how fast the
     # events finish (a loaded clean-clone run heard only "Loading"), so that word is not required.

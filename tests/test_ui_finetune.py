@@ -20,7 +20,7 @@ from app.service import finetune as finetune_service
 from app.training.finetune import FinetuneError, FinetuneResult
 from app.service import Services
 from app.records import Annotation
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from app.ui import constants as C
 from app.ui import render
 from app.ui.finetune_callbacks import FinetuneCallbacks
@@ -136,7 +136,7 @@ def test_preview_and_finetune_through_the_server(tmp_path: Path, monkeypatch) ->
         message, _, loss, rows, _, _, _, run_adapter = client.predict(
             *form(name="via-api").values(), api_name="/finetune")
     finally:
-        demo.close()
+        close_demo(demo)
     new = str((tmp_path / "adapters" / "via-api").resolve())
     assert "registered" in message and json.loads(loss["plot"])["data"][0]["y"] == [2.0, 1.4, 0.9]
     assert rows["data"][0][:2] == ["trained on (the corrections)", "Rehearse NLL"] and [new, new] in run_adapter["choices"]

@@ -11,7 +11,7 @@ import pytest
 
 from app.envs import MOCK_TASK_ID
 from app.service.session import LOAD_SLOW_S
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from app.ui import constants as C
 from browser import launch
 from scripted import AheadPolicy
@@ -80,4 +80,4 @@ def test_one_loading_indicator_and_a_step_computed_ahead_says_what_it_took(tmp_p
             browser.close()
     finally:
         release.set()
-        demo.close()
+        close_demo(demo)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from app.envs import MOCK_TASK_ID
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from browser import launch
 from app.ui import constants as C
 from scripted import ScriptedPolicy
@@ -108,7 +108,7 @@ def test_hostile_output_renders_as_text_everywhere_and_is_stored_exactly(tmp_pat
             assert_inert(page, dialogs)
             browser.close()
     finally:
-        demo.close()
+        close_demo(demo)
 
     ep = demo.services.store.get_episode(episode_id)
     first, second = ep.steps

@@ -17,7 +17,7 @@ from app.service import RunRequest, RunSession, Services
 from app.service.annotations import INSTRUCTION_BRANCH_USE
 from app.store import Recorder
 from app.training.rows import expert_episode
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from app.ui import constants as C
 from app.ui import render
 from browser import launch
@@ -161,4 +161,4 @@ def test_traces_and_annotate_fit_and_explain_at_1400(tmp_path) -> None:
             expect(page2.get_by_label("Annotator")).to_have_value("layout-test", timeout=TIMEOUT_MS)
             browser.close()
     finally:
-        demo.close()
+        close_demo(demo)

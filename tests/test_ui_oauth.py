@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.ui import build_demo
+from app.ui import build_demo, close_demo
 from browser import launch
 
 USER = "ada-lovelace"
@@ -44,4 +44,4 @@ def test_the_spaces_login_names_the_annotator(tmp_path, monkeypatch) -> None:
             expect(annotator).to_have_value(USER)
             browser.close()
     finally:
-        demo.close()
+        close_demo(demo)

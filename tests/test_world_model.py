@@ -168,7 +168,7 @@ def test_the_inspector_is_an_mcp_server_with_rehearse_and_propose(shipped_policy
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
 
     demo = build_demo(db_path=str(tmp_path / "mcp.db"), policy_loader=lambda model, adapter: shipped_policy, mcp=True)
     port = free_port()
@@ -188,7 +188,7 @@ def test_the_inspector_is_an_mcp_server_with_rehearse_and_propose(shipped_policy
     try:
         listed, called, bad = asyncio.run(asyncio.wait_for(session(), timeout=300))
     finally:
-        demo.close()
+        close_demo(demo)
     assert {t.name for t in listed} == {"rehearse", "propose"}  # the UI's endpoints are not tools
     rehearse_tool = next(t for t in listed if t.name == "rehearse")
     assert "before spending the real call" in rehearse_tool.description
@@ -205,7 +205,7 @@ def test_mcp_clients_read_what_to_fix_in_bad_schemas_and_arguments(tmp_path):
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
 
     policy = ScriptedPolicy([])
     demo = build_demo(db_path=str(tmp_path / "mcp.db"), policy_loader=lambda model, adapter: policy, mcp=True)
@@ -237,7 +237,7 @@ def test_mcp_clients_read_what_to_fix_in_bad_schemas_and_arguments(tmp_path):
     try:
         results = asyncio.run(asyncio.wait_for(session(), timeout=120))
     finally:
-        demo.close()
+        close_demo(demo)
     for result, (_, _, message) in zip(results, cases + [cases[0]]):
         text = result.content[0].text
         assert result.isError and message in text and "\n" not in text.strip(), text

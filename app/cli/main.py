@@ -165,7 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.ui import build_demo
+    from app.ui import build_demo, close_demo
     from app.ui import constants as C
 
     demo = build_demo(db_path=args.db or default_db_path(), mcp=args.mcp)
@@ -174,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                    max_file_size=f"{C.MAX_IMPORT_MB}mb", prevent_thread_lock=True,
                                                    mcp_server=args.mcp)
     wait_for(stop)
-    demo.close()
+    close_demo(demo)
     return 0
 
 

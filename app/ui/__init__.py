@@ -5,6 +5,7 @@ callbacks module, and the work happens in `app.service` and `app.ui.render`.
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from app.ui.run_tab import build_run_tab
 from app.ui.traces_tab import build_traces_tab
 from app.ui.world_model_api import only_world_model_public, register_world_model
 
-__all__ = ["build_demo"]
+__all__ = ["build_demo", "close_demo"]
 
 INTRO = f"""## {C.TITLE}
 Step a tool-using agent that **rehearses** its calls: each step proposes K candidate calls, the model
@@ -87,3 +88,24 @@ def build_demo(db_path: str | None = None, policy_loader: Callable[[str, str | N
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # process-wide: this process serves the model's steps
     demo.services = services  # type: ignore[attr-defined]  # tests and app.py reach the store through it
     return demo
+
+
+def close_demo(demo: gr.Blocks, timeout: float = 10.0) -> None:
+    """Shut a launched demo down: Gradio's `close()` sets the app's asyncio stop event from the calling thread
+    while the server's event loop may be adding or removing waiters on it (each open stream waits on it); under
+    load that raised "RuntimeError: deque mutated during iteration" in `asyncio.Event.set` (seen in the test
+    suite with two workers). The event is set on the server's own loop first, so `close()` finds it set and
+    only stops the server. An event no coroutine has waited on yet has no loop (`_loop` is asyncio's own
+    binding, Python 3.10+) and is safe to set from here."""
+    event = getattr(getattr(demo, "app", None), "stop_event", None)
+    loop = getattr(event, "_loop", None)
+    if event is not None and loop is not None and loop.is_running() and not event.is_set():
+        async def set_it() -> None:
+            event.set()
+
+        try:
+            asyncio.run_coroutine_threadsafe(set_it(), loop).result(timeout)
+        except RuntimeError:  # the loop closed between the check and the call: nothing waits any more
+            pass
+    demo.close()
+
