@@ -405,15 +405,23 @@ class RecordingRehearser:
     scripted for it and records every batch with its token budget."""
 
     def __init__(self, answers: dict[str, str]) -> None:
-        self.answers, self.batches = answers, []
+        self.answers, self.batches, self.calls = answers, [], []
 
     def rehearse(self, prompts: list[Any], config: Any) -> list[Any]:
         self.batches.append((config.max_new_tokens, [p.messages[0]["content"] for p in prompts]))
+        self.calls.append(("rehearse", [p.messages[0]["content"] for p in prompts]))
         return [SimpleNamespace(text=self.answers[p.messages[0]["content"]]) for p in prompts]
+
+    def score(self, prompts: list[Any], continuations: list[str]) -> list[list[float]]:
+        self.calls.append(("score", [p.messages[0]["content"] for p in prompts]))
+        return [[-0.5] * (1 + int(p.messages[0]["content"].split()[1])) + [-1.0 - len(c)] for p, c in
+                zip(prompts, continuations)]
 
 
 def test_unseen_scores_decode_rows_of_one_budget_together_and_keep_each_rows_result() -> None:
-    from app.training.finetune import SCORE_BATCH, rehearse_budget, rehearse_exact
+    """Rows of one token budget decode together, each batch's targets are scored right after its decode (the
+    prompts' KV is then in the policy's prefix cache), and each row keeps its own exact and NLL."""
+    from app.training.finetune import SCORE_BATCH, rehearse_budget, rehearse_measure
     from model_backend.base import Prompt
 
     n = SCORE_BATCH + 3
@@ -424,7 +432,13 @@ def test_unseen_scores_decode_rows_of_one_budget_together_and_keep_each_rows_res
                              ('{"i": -1}</execution_result>' if i % 2 else "{not json"))
                for i in range(n)}
     policy = RecordingRehearser(answers)
-    assert rehearse_exact(policy, rows, encoded) == [bool(i % 3) for i in range(n)]
+    measured = rehearse_measure(policy, rows, encoded, "<eot>")
+    assert [e for e, _ in measured] == [bool(i % 3) for i in range(n)]
+    # the scripted score: i + 1 tokens at -0.5 and the last at -(1 + len(target + eot))
+    for i, (_, nll) in enumerate(measured):
+        assert nll == pytest.approx((0.5 * (i + 1) + 1 + len(rows[i].target + "<eot>")) / (i + 2))
+    assert [kind for kind, _ in policy.calls] == ["rehearse", "score"] * (len(policy.calls) // 2)
+    assert all(policy.calls[j][1] == policy.calls[j + 1][1] for j in range(0, len(policy.calls), 2))
     budgets = [b for b, _ in policy.batches]
     assert sorted(set(budgets)) == [128, rehearse_budget(encoded[5])] and rehearse_budget(encoded[5]) > 128
     assert all(len(p) <= SCORE_BATCH for _, p in policy.batches)

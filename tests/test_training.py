@@ -405,3 +405,16 @@ def test_the_fine_tunes_measurements_decode_as_the_app_and_leave_the_training_mo
     assert [g.text for g in measured.rehearse(prompts, config)] == [g.text for g in shipped_policy.rehearse(prompts, config)]
     after = {n: p for n, p in loaded.model.named_parameters() if "lora_" in n}
     assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    # its NLL of a target, scored on the prompt KV the decode left in its cache, is the training model's
+    from app.training.finetune import end_of_turn_text, rehearse_measure
+    from model_backend.training import TrainRow, encode_rows, nll_of_rows
+
+    targets = ['{"current_working_directory": "d0"}', '{"error": "cd: d1: No such directory"}', 'null']
+    rows = [TrainRow("rehearse", p, t + "</execution_result>") for p, t in zip(prompts, targets)]
+    encoded, _ = encode_rows(loaded.tokenizer, rows)
+    measured = rehearse_measure(measured_policy := measuring_policy(loaded, loaded.model), rows, encoded,
+                                end_of_turn_text(loaded.tokenizer))
+    reference = nll_of_rows(loaded.model, encoded)
+    assert [x for _, x in measured] == pytest.approx(reference, rel=0.02, abs=0.005)
+    assert len({round(x, 3) for x in reference}) > 1  # the rows differ: a mix-up of rows would show
+    assert measured_policy.prefix_cache is not None and len(measured_policy.prefix_cache) > 0
