@@ -52,7 +52,7 @@ run: setup
 	$(PYTHON) -m app serve
 
 # Every core (pytest-xdist), a module per worker at a time, the modules with slow, browser or mcp tests first
-# (tests/conftest.py `heavy_modules_first`): 12.4 minutes on 2 cores where one process took 17-18.
+# (tests/conftest.py `heavy_modules_first`): 12.4-13.5 minutes on 2 cores where one process took 17.
 test: setup browser-deps mcp-deps
 	$(PYTHON) -m pytest -q --durations=20 -n auto --dist loadfile --no-loadscope-reorder
 

@@ -44,11 +44,11 @@ HEAVY = ("slow", "browser", "mcp")
 
 
 def heavy_modules_first(items: list) -> None:
-    """Under pytest-xdist (`make test`, `make test-fast`: `--dist loadfile --no-loadscope-reorder`), the modules
-    with a `slow`, `browser` or `mcp` test go first, each module's tests kept together and in order. The workers
-    take modules in this order as they come free, so the long ones (the Spaces venv, eight browsers, real
-    fine-tunes) start early and the short ones fill the end; in file order a long module near the end (the
-    `test_ui_*` files) ran on one worker while the other sat idle."""
+    """Under pytest-xdist (`make test`: `--dist loadfile --no-loadscope-reorder`), the modules with a `slow`,
+    `browser` or `mcp` test go first, each module's tests kept together and in order. The workers take modules in
+    this order as they come free, so the long ones (the Spaces venv, eight browsers, real fine-tunes) start early
+    and the short ones fill the end. xdist's own order (the modules with the most tests first) left the one-test
+    Spaces module and the `test_ui_*` files for the end, on one worker while the other sat idle."""
     order: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]

@@ -108,4 +108,3 @@ def close_demo(demo: gr.Blocks, timeout: float = 10.0) -> None:
         except RuntimeError:  # the loop closed between the check and the call: nothing waits any more
             pass
     demo.close()
-
