@@ -49,13 +49,10 @@ def heavy_modules_first(items: list) -> None:
     this order as they come free, so the long ones (the Spaces venv, eight browsers, real fine-tunes) start early
     and the short ones fill the end. xdist's own order (the modules with the most tests first) left the one-test
     Spaces module and the `test_ui_*` files for the end, on one worker while the other sat idle."""
-    order: dict[str, int] = {}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        heavy = any(item.get_closest_marker(m) is not None for m in HEAVY)
-        order[module] = min(order.get(module, 1), 0 if heavy else 1)
-    first_seen = {m: i for i, m in enumerate(dict.fromkeys(it.nodeid.split("::", 1)[0] for it in items))}
-    items.sort(key=lambda it: (order[it.nodeid.split("::", 1)[0]], first_seen[it.nodeid.split("::", 1)[0]]))
+    module = {id(it): it.nodeid.split("::", 1)[0] for it in items}
+    heavy = {module[id(it)] for it in items if any(it.get_closest_marker(m) is not None for m in HEAVY)}
+    rank = {m: i for i, m in enumerate(dict.fromkeys(module.values()))}
+    items.sort(key=lambda it: (module[id(it)] not in heavy, rank[module[id(it)]]))
 
 
 # ---------------------------------------------------------------- shared fixtures

@@ -412,9 +412,8 @@ def test_the_fine_tunes_measurements_decode_as_the_app_and_leave_the_training_mo
     targets = ['{"current_working_directory": "d0"}', '{"error": "cd: d1: No such directory"}', 'null']
     rows = [TrainRow("rehearse", p, t + "</execution_result>") for p, t in zip(prompts, targets)]
     encoded, _ = encode_rows(loaded.tokenizer, rows)
-    measured = rehearse_measure(measured_policy := measuring_policy(loaded, loaded.model), rows, encoded,
-                                end_of_turn_text(loaded.tokenizer))
+    scores = rehearse_measure(measured, rows, encoded, end_of_turn_text(loaded.tokenizer))
     reference = nll_of_rows(loaded.model, encoded)
-    assert [x for _, x in measured] == pytest.approx(reference, rel=0.02, abs=0.005)
+    assert [x for _, x in scores] == pytest.approx(reference, rel=0.02, abs=0.005)
     assert len({round(x, 3) for x in reference}) > 1  # the rows differ: a mix-up of rows would show
-    assert measured_policy.prefix_cache is not None and len(measured_policy.prefix_cache) > 0
+    assert measured.prefix_cache is not None and len(measured.prefix_cache) > 0

@@ -369,8 +369,6 @@ def test_picking_a_served_model_clears_the_lora_adapter(model, expected):
     assert forms.adapter_for_model(model, "fixtures/adapters/x", C.NO_ADAPTER) == expected
 
 
-
-
 @pytest.mark.parametrize("trial", range(3))
 def test_close_demo_sets_the_stop_event_on_the_servers_loop_while_streams_come_and_go(trial):
     """`close_demo` sets the app's stop event on the server's own event loop. Gradio's `close()` sets it from

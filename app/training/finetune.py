@@ -240,10 +240,11 @@ def correction_metrics(policy: Any, tokenizer: Any, rows: list[Any], agreement: 
     from model_backend.training import encode_rows
 
     out: dict[str, Any] = {}
+    eot = end_of_turn_text(tokenizer)
     rehearse = [r for r in rows if r.role == "rehearse"]
     if rehearse:
         encoded, _ = encode_rows(tokenizer, rehearse)
-        measured = rehearse_measure(policy, rehearse, encoded, end_of_turn_text(tokenizer), decode=agreement)
+        measured = rehearse_measure(policy, rehearse, encoded, eot, decode=agreement)
         nll = [x for _, x in measured]
         out["rehearse_nll"] = round(sum(nll) / len(nll), 4)
         out["rehearse_nll_rows"] = [round(x, 4) for x in nll]
@@ -252,7 +253,7 @@ def correction_metrics(policy: Any, tokenizer: Any, rows: list[Any], agreement: 
     act = [r for r in rows if r.role == "act"]
     if act:
         encoded, _ = encode_rows(tokenizer, act)
-        out["act_nll"] = round(sum(target_nll(policy, act, end_of_turn_text(tokenizer))) / len(act), 4)
+        out["act_nll"] = round(sum(target_nll(policy, act, eot)) / len(act), 4)
         if agreement:
             agree = 0
             for row, enc in zip(act, encoded):

@@ -105,6 +105,6 @@ def close_demo(demo: gr.Blocks, timeout: float = 10.0) -> None:
 
         try:
             asyncio.run_coroutine_threadsafe(set_it(), loop).result(timeout)
-        except RuntimeError:  # the loop closed between the check and the call: nothing waits any more
+        except (RuntimeError, TimeoutError):  # the loop closed meanwhile (nothing waits), or is stuck: close anyway
             pass
     demo.close()
