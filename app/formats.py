@@ -304,16 +304,32 @@ def memory_lines(examples: Sequence[Any]) -> list[str]:
             for e in reversed(examples)]
 
 
+STATE_CHARS = 2000
+"""The state's share of a Rehearse prompt: every BFCL `multi_turn_base` class's state fits (1,593 characters at
+most, TradingBot's), a long-context file system is cut."""
+
+
+def state_section(tool: Tool | None, state: Any) -> str:
+    """The Rehearse prompt's state before the call: the tool's own class's (a BFCL state is keyed by class; the
+    other classes cannot change this call's result), else the whole state; compact JSON, cut at `STATE_CHARS`."""
+    if tool is not None and tool.env_class and isinstance(state, dict) and tool.env_class in state:
+        head, state = f"Environment state ({tool.env_class}):", state[tool.env_class]
+    else:
+        head = "Environment state:"
+    text = canonical_json(state)
+    return head + "\n" + (text if len(text) <= STATE_CHARS else text[:STATE_CHARS - 3] + "...")
+
+
 def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],
                     state: dict[str, Any] | None = None, max_history: int = 10,
                     constrain: bool = False, examples: Sequence[Any] = ()) -> Prompt:
-    """The Rehearse prompt: the episode's real calls and results, optionally the state, the tool, the real
-    transitions retrieved for the call (`examples`, the rehearsal memory's hits), then the call.
+    """The Rehearse prompt: the episode's real calls and results, optionally the state (`state_section`), the
+    tool, the real transitions retrieved for the call (`examples`, the rehearsal memory's hits), then the call.
     `constrain` attaches `rehearse_constraint` (the prompt text is the same either way)."""
     lines = _trace_lines(history)[-max_history:]
     shared = "Calls so far and their real results:\n" + ("\n".join(lines) if lines else "(none)")
     if state is not None:
-        shared += "\nEnvironment state:\n" + short_json(state, 1500)
+        shared += "\n" + state_section(tool, state)
     if tool is None:
         spec = f"Tool: {call.name} (not a known tool)"
     else:

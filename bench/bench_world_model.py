@@ -7,7 +7,9 @@ Each config rehearses the same calls with their real history (`app.training.agen
   evaluated task's own transitions except its earlier ground-truth calls (observed earlier in the episode);
 - `seed@N`: a random N of the seed's transitions (the memory-size curve);
 - `episode`: an empty memory, so a prompt sees only the task's earlier ground-truth calls (what an episode
-  has observed itself before this call).
+  has observed itself before this call);
+- any of them with `+state` (`off+state`): each prompt also shows the state before the call, the tool's own
+  class's (`rehearsal_context="history+state"`, `app.formats.state_section`).
 
 Writes bench/results/world_model.json (figures; `--details` adds one row per call to a separate file) and, with
 `--curve`, bench/results/world_model_curve.html (plotly: exact against the number of transitions).
@@ -49,7 +51,8 @@ def main() -> None:
     p.add_argument("--categories", default="multi_turn_base")
     p.add_argument("--tasks", type=int, default=None, help="first N held-out tasks per category (default: all)")
     p.add_argument("--calls", type=int, default=None, help="at most N calls per category")
-    p.add_argument("--configs", default="off,seed", help="off, seed, seed@N (comma-separated)")
+    p.add_argument("--configs", default="off,seed", help="off, seed, seed@N, episode, each optionally +state "
+                   "(comma-separated)")
     p.add_argument("--k", type=int, default=3, help="transitions per prompt")
     p.add_argument("--name", default="world_model", help="results file name under bench/results/")
     p.add_argument("--details", default=None, help="also write per-call rows to this JSON file")
@@ -69,11 +72,14 @@ def main() -> None:
     for category in args.categories.split(","):
         task_ids = envs.list_tasks(category, "heldout")[:args.tasks]
         for config in args.configs.split(","):
-            memory = (None if config == "off" else seed if config == "seed" else RehearsalMemory(None, [])
-                      if config == "episode" else sized(seed, int(config.split("@")[1])))
+            name, _, extra = config.partition("+")
+            memory = (None if name == "off" else seed if name == "seed" else RehearsalMemory(None, [])
+                      if name == "episode" else sized(seed, int(name.split("@")[1])))
+            context = "history+state" if extra == "state" else "history"
             rows: list = []
             started = time.perf_counter()
-            result = forced_rehearsal(policy, task_ids, args.calls, memory=memory, memory_k=args.k, details=rows)
+            result = forced_rehearsal(policy, task_ids, args.calls, memory=memory, memory_k=args.k, details=rows,
+                                      rehearsal_context=context)
             result["seconds"] = round(time.perf_counter() - started, 1)
             result["tasks"] = len(task_ids)
             out["results"].setdefault(category, {})[config] = result
@@ -90,7 +96,7 @@ def main() -> None:
         fig = go.Figure()
         for category, configs in out["results"].items():
             points = sorted((0 if c == "off" else len(seed) if c == "seed" else int(c.split("@")[1]), r["exact"])
-                            for c, r in configs.items() if c != "episode")
+                            for c, r in configs.items() if c != "episode" and "+" not in c)
             fig.add_scatter(x=[max(x, 1) for x, _ in points], y=[y for _, y in points], mode="lines+markers",
                             name=category)
         fig.update_layout(title="Forced rehearsal exact match against transitions in memory",

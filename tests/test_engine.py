@@ -192,6 +192,21 @@ def test_state_snapshot_reaches_the_rehearse_prompt():
     assert "Environment state" in policy.rehearse_calls[0][0].messages[-1]["content"]
 
 
+def test_by_default_a_rehearsal_sees_the_state_of_its_tools_class_before_the_call():
+    """The default context is history+state: on BFCL the Rehearse prompt shows the calling class's state as it
+    was before the step (the file `ls` will list), and no other class's."""
+    task = envs.load_task("bfcl:multi_turn_base_0")
+    policy = ScriptedPolicy([[call("ls")], [call("mkdir", dir_name="newdir")], [call("ls")]])
+    r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=1, shadow=False))
+    assert r.settings.rehearsal_context == "history+state"
+    for _ in range(3):
+        r.step()
+    prompts = [batch[0].messages[-1]["content"] for batch in policy.rehearse_calls]
+    assert all("Environment state (GorillaFileSystem):" in p for p in prompts)
+    assert all("TwitterAPI" not in p.split("Tool:")[0] for p in prompts)
+    states = [p.split("Environment state (GorillaFileSystem):")[1].split("Tool:")[0] for p in prompts]
+    assert '"newdir"' not in states[1] and '"newdir"' in states[2]  # the state before each call
+
 def test_tool_choice_required_prefills_the_call_tag():
     r, policy = runner([['{"name": "list_keys", "arguments": {}}</tool_call>']],
                        settings=RunSettings(mode="none", branches=1, tool_choice="required"))

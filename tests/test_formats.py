@@ -109,6 +109,22 @@ def test_act_and_rehearse_prompts_share_a_prefix():
     assert p.messages[-1] == {"role": "user", "content": "move a to b"}
 
 
+def test_the_rehearse_prompts_state_is_the_tools_own_class_compact_and_cut_at_its_budget():
+    from app.formats import STATE_CHARS, state_section
+
+    ls = Tool(name="ls", description="List.", parameters={"type": "object", "properties": {}},
+              env_class="GorillaFileSystem")
+    state = {"GorillaFileSystem": {"root": {"a.txt": "hello"}}, "TwitterAPI": {"tweets": {"0": "secret"}}}
+    text = rehearse_prompt(ls, Call(name="ls"), [], state).messages[1]["content"]
+    assert 'Environment state (GorillaFileSystem):\n{"root":{"a.txt":"hello"}}' in text
+    assert "secret" not in text  # another class's state cannot change this call's result
+    assert "Environment state" not in rehearse_prompt(ls, Call(name="ls"), []).messages[1]["content"]
+    # A tool with no class (or a state not keyed by classes) shows the whole state.
+    assert state_section(TOOLS[0], {"k": 1}) == 'Environment state:\n{"k":1}'
+    big = state_section(ls, {"GorillaFileSystem": {"x": "y" * 5000}})
+    assert len(big.split("\n", 1)[1]) == STATE_CHARS and big.endswith("...")
+
+
 def test_divergence_metrics():
     actual = {"files": ["a", "b"], "count": 2}
     exact = compare({"count": 2, "files": ["a", "b"]}, True, actual)

@@ -19,7 +19,7 @@ from app.engine import EpisodeRunner
 from app.training.finetune import FinetuneError, FinetuneRequest, run_finetune, select_corrections, validate_request
 from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
-from app.formats import rehearse_target
+from app.formats import canonical_json, rehearse_target
 from app.engine.replay import replay, replay_ground_truth
 from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
                                self_training_rows)
@@ -92,6 +92,29 @@ def test_expert_episode_replays_ground_truth_and_ends_turns() -> None:
     # A later prompt extends the earlier one: the history holds the call and its real result.
     views = list(replay(ep, task))
     assert views[1].history[-1].role == "tool" and views[1].history[-1].result == ep.steps[0].branches[0].actual
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_state_share_gives_that_share_of_rehearse_rows_the_state_of_the_tools_class(share: float) -> None:
+    task = envs.load_task("bfcl:multi_turn_base_0")
+    ep = expert_episode(task)
+    ctx = PromptContext(lambda t: max(1, len(t) // 4), 8192, state_share=share)
+    rows = [r for r in episode_rows(ep, task, ctx, source="expert") if r.role == "rehearse"]
+    shown = [r for r in rows if "Environment state (GorillaFileSystem):" in r.prompt.messages[-1]["content"]]
+    if share == 0.0:
+        assert not shown
+    elif share == 1.0:
+        assert len(shown) == len(rows) > 0
+    else:
+        assert 0 < len(shown) < len(rows)
+    # The state shown is the step's own state before the call, not the episode's last one; the draw is per row,
+    # so a second build gives the same prompts.
+    steps = {s.index: s for s in ep.steps}
+    for r in shown:
+        state = steps[int(r.ref.split("/")[1])].state_before["GorillaFileSystem"]
+        assert canonical_json(state)[:200] in r.prompt.messages[-1]["content"]
+    again = [r for r in episode_rows(ep, task, ctx, source="expert") if r.role == "rehearse"]
+    assert [r.prompt for r in again] == [r.prompt for r in rows]
 
 
 

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, default_db_path
-from app.records import MEMORY_MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import DEFAULT_REHEARSAL_CONTEXT, MEMORY_MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
 
 
 class UserError(Exception):
@@ -26,8 +26,8 @@ def add_engine_options(p: argparse.ArgumentParser, memory: str = "off") -> None:
     p.add_argument("--seed", type=int, default=0, help="same seed, same episode")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the alternatives")
     p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
-    p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default="history",
-                   help="what the Rehearse role sees besides the call")
+    p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default=DEFAULT_REHEARSAL_CONTEXT,
+                   help="what the Rehearse role sees besides the call: the history, and the state before the call")
     p.add_argument("--memory", choices=MEMORY_MODES, default=memory,
                    help="real transitions each Rehearse prompt retrieves: `seed` (replays of the training split's "
                         "ground truth and calls explored from its states), `online` (also every call observed "

@@ -44,6 +44,9 @@ def register(sub: Any) -> None:
                    help="real transitions retrieved into each Rehearse row's prompt (0: none)")
     p.add_argument("--memory-share", type=float, default=d.memory_share,
                    help="with --memory-k: the share of Rehearse rows given memory")
+    p.add_argument("--state-share", type=float, default=d.state_share,
+                   help="the share of Rehearse rows whose prompt shows the state before the call "
+                        "(rehearsal context history+state)")
     p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
     p.add_argument("--parent", default=None,
                    help="continue this adapter directory (a warm start) instead of a new LoRA")
@@ -124,15 +127,16 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               parent=Path(args.parent) if args.parent else None,
                               rehearse_categories=tuple(c.strip() for c in args.rehearse_categories.split(",")
                                                         if c.strip()),
-                              act_rows=args.act_rows, memory_k=args.memory_k, memory_share=args.memory_share)
+                              act_rows=args.act_rows, memory_k=args.memory_k, memory_share=args.memory_share,
+                              state_share=args.state_share)
     if args.self_rounds < 0 or args.rollout_tasks < 1 or args.round1_steps < 1:
         raise UserError("--self-rounds must be 0 or more; --rollout-tasks and --round1-steps at least 1")
     unknown = [c for c in cfg.rehearse_categories if c not in CATEGORIES]
     if unknown or not cfg.rehearse_categories:
         raise UserError(f"--rehearse-categories: unknown {', '.join(unknown) or '(none given)'}; "
                         f"valid: {', '.join(CATEGORIES)}")
-    if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1:
-        raise UserError("--memory-k must be 0-8 and --memory-share 0-1")
+    if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1 or not 0 <= args.state_share <= 1:
+        raise UserError("--memory-k must be 0-8, --memory-share and --state-share 0-1")
     if args.parent and not (Path(args.parent) / "adapter_config.json").is_file():
         raise UserError(f"--parent {args.parent} is not a LoRA adapter directory")
     for name in ("eval_tasks", "eval_turns"):

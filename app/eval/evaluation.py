@@ -23,7 +23,7 @@ from app.engine import EpisodeRunner
 from app.engine.oracle import call_matches, oracle_settings
 from app.envs.base import Task
 from app.formats import REHEARSE_STOP, canonical_json, parse_result
-from app.records import Episode, Metrics, RunSettings, utcnow
+from app.records import DEFAULT_REHEARSAL_CONTEXT, Episode, Metrics, RunSettings, utcnow
 from app.store import Recorder, Store
 from model_backend.base import Policy
 
@@ -52,7 +52,7 @@ class EvalConfig:
     selector: str = "judge"
     temperature: float = 0.8
     shadow: bool = True
-    rehearsal_context: str = "history"
+    rehearsal_context: str = DEFAULT_REHEARSAL_CONTEXT
     tool_choice: str = "auto"
     """`required` prefills `<tool_call>`: every step calls a tool (helps small base models)."""
     proposal: str = "sample"

@@ -67,6 +67,9 @@ class AgentTrainingConfig:
     own task's but its episode's earlier calls), as the rehearser does at run time; 0: no memory in rows."""
     memory_share: float = 0.8
     """With `memory_k`: the share of Rehearse rows given memory (the others keep the plain prompt)."""
+    state_share: float = 0.0
+    """The share of Rehearse rows whose prompt shows the state before the call (`history+state`, the tool's own
+    class's state); the others keep the episode's context, so the adapter serves both."""
     single_turn_rows: int = 0
     """Act rows from BFCL single-turn tool selection (`rows.single_turn_rows`, 1,205 in all) sampled into
     round 1 (0: none, the shipped adapter's recipe; -1: all)."""
@@ -143,7 +146,8 @@ def _category(task_id: str) -> str:
 
 def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = None, batch: int = 8,
                      constrain: bool = True, memory: Any = None, memory_k: int = 3,
-                     details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     details: list[dict[str, Any]] | None = None,
+                     rehearsal_context: str = "history") -> dict[str, Any]:
     """Rehearsal fidelity on the ground-truth calls of `task_ids`, each with its real history (every model sees
     the same calls), by access (read-only, state-changing) and category, with the looping predictions counted.
 
@@ -151,6 +155,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
     training split's), never the task's own, except the task's earlier ground-truth calls (observed earlier in
     the same episode; passed as `recent`, so nothing is written to the memory).
     `details` receives one dict per call (task, tool, arguments, actual, text, metrics, what was retrieved).
+    `rehearsal_context="history+state"`: each prompt also shows the state before the call (`formats.state_section`).
     """
     from app.engine.memory import MemoryScope, observed
     from model_backend.base import GenerationConfig
@@ -168,7 +173,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
                 continue
             tool = tool_named(view.tools, b.call.name)
             examples = memory.retrieve(b.call, scope, memory_k, recent) if memory is not None else []
-            prompts.append(view.rehearse_prompt(b.call, constrain=constrain, examples=examples))
+            prompts.append(view.rehearse_prompt(b.call, rehearsal_context, constrain=constrain, examples=examples))
             items.append((task_id, b.call, b.actual, tool, examples))
             recent += observed(view.step, task_id=task_id, split=task.extra.get("split"), episode_id=episode.id,
                                tools={t.name: t for t in view.tools})
@@ -197,6 +202,7 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
     out["by_category"] = {k.split(":", 1)[1]: {f: aggregate(v)[f] for f in fields}
                           for k, v in sorted(groups.items()) if k.startswith("category:")}
     out["memory"] = {"k": memory_k, "transitions": len(memory)} if memory is not None else None
+    out["rehearsal_context"] = rehearsal_context
     return out
 
 
@@ -223,7 +229,8 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
     # Every rehearsed branch with an actual response (committed or shadow), read-only vs state-changing.
     report["rehearsal_by_access"] = {k: {m: v[m] for m in ("n", "exact", "field_f1", "error_agree")}
                                      for k, v in fidelity_by(episodes, access_of).items()}
-    report["forced"] = forced_rehearsal(policy, task_ids, forced_calls, constrain=settings.constrain)
+    report["forced"] = forced_rehearsal(policy, task_ids, forced_calls, constrain=settings.constrain,
+                                        rehearsal_context=settings.rehearsal_context)
     report["tasks"] = [e.task_id for e in episodes]
     report["max_turns"] = max_turns
     report["relevance"] = settings.relevance
@@ -272,7 +279,8 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
         report(f"rehearsal memory for Rehearse rows: {len(memory)} training-split transitions {memory.counts()}")
     ctx = PromptContext(lambda text: len(tok.encode(text, add_special_tokens=False)),
                         int(getattr(loaded.model.config, "max_position_embeddings", 8192)),
-                        memory=memory, memory_k=cfg.memory_k, memory_share=cfg.memory_share)
+                        memory=memory, memory_k=cfg.memory_k, memory_share=cfg.memory_share,
+                        state_share=cfg.state_share)
 
     def run_round(name: str, rows: list[Any], steps: int, minutes: float, model: Any) -> RoundSummary:
         encoded, dropped = encode_rows(tok, rows, cfg.max_seq_len, cfg.pack_len)
@@ -353,7 +361,7 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
         "data": {"expert_tasks": len(train_ids), "split": "multi_turn_base, index mod 4 != 3",
                  "rehearse_categories": list(cfg.rehearse_categories), "rehearse_tasks": len(train_ids) + len(other_ids),
                  "memory": {"k": cfg.memory_k, "share": cfg.memory_share, "transitions": len(memory)}
-                 if memory is not None else None,
+                 if memory is not None else None, "state_share": cfg.state_share,
                  "expert_rows": _count(rows + other_rows), "round1_rows": _count(round1_rows),
                  "self_training_episodes": [e.task_id for e in episodes]},
         "rounds": [asdict(r) for r in rounds],
@@ -510,8 +518,11 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"- Expert traces: the ground-truth calls of {data['expert_tasks']} BFCL `{data['split']}` tasks executed "
         "in the real API classes; Act targets are the calls plus a short final answer at each turn end, Rehearse "
         "targets the real responses. Prompts are the engine's own (`act_prompt`, `rehearse_prompt`).",
-        f"- Rows: {json.dumps(data['expert_rows'])}; round 1 uses every Act row and "
-        + (f"{cfg['rehearse_rows']} Rehearse rows sampled at random." if cfg.get('rehearse_rows') else "every Rehearse row."),
+        f"- Rows: {json.dumps(data['expert_rows'])}; round 1 uses "
+        + (f"{cfg['act_rows']} Act rows" if cfg.get("act_rows") is not None else "every Act row") + " and "
+        + (f"{cfg['rehearse_rows']} Rehearse rows sampled at random." if cfg.get('rehearse_rows') else "every Rehearse row.")
+        + (f" {cfg['state_share']:.0%} of the Rehearse rows show the state before the call (the tool's own class's, "
+           "`rehearsal_context=history+state`), the others the history alone." if cfg.get("state_share") else ""),
         f"- Self-training: {cfg.get('self_rounds', 1)} round(s) of parallel-rehearsal rollouts "
         f"(K={cfg.get('rollout_branches', 2)}, logprob selector, schema-constrained decoding) on "
         f"{len(data['self_training_episodes'])} training tasks; Act rows kept only from turns that pass the BFCL "

@@ -50,6 +50,9 @@ class PromptContext:
     memory_k: int = 0
     memory_share: float = 1.0
     """The share of Rehearse rows given memory (the rest keep the prompt without it, so both work)."""
+    state_share: float = 0.0
+    """The share of Rehearse rows whose prompt shows the state before the call (`history+state`) where the step
+    recorded one; the rest keep the episode's own rehearsal context."""
 
 
 # ---------------------------------------------------------------- expert traces
@@ -138,13 +141,22 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
         for b in step.branches if in_turns or rehearse_all_turns else []:
             if b.kind == "call" and b.call is not None and b.actual_source is not None:
                 examples = _row_memory(ctx, episode, b, recent, f"{ref}/{b.index}")
-                rows.append(TrainRow("rehearse", view.rehearse_prompt(b.call, episode.settings.rehearsal_context,
+                rows.append(TrainRow("rehearse", view.rehearse_prompt(b.call, _row_context(ctx, episode, step,
+                                                                                           f"{ref}/{b.index}"),
                                                                       episode.settings.constrain, examples),
                                      rehearse_target(b.actual), source, f"{ref}/{b.index}"))
         if ctx.memory is not None:
             recent += observed(step, task_id=episode.task_id, split=task.extra.get("split"), episode_id=episode.id,
                                tools={t.name: t for t in view.tools})
     return rows
+
+
+def _row_context(ctx: PromptContext, episode: Episode, step: Step, ref: str) -> str:
+    """A Rehearse row's context: `history+state` for the `state_share` of rows (a fixed draw per row) whose step
+    recorded its state, else the episode's."""
+    if step.state_before is not None and zlib.crc32(b"state:" + ref.encode()) % 1000 < ctx.state_share * 1000:
+        return "history+state"
+    return episode.settings.rehearsal_context
 
 
 def _row_memory(ctx: PromptContext, episode: Episode, branch: Branch, recent: list[Any], ref: str) -> list[MemoryHit]:

@@ -5,7 +5,8 @@ A label a callback compares against lives here once: a drifted copy would be a s
 from __future__ import annotations
 
 from app.config import DEFAULT_MODEL, DEFAULT_RELEVANCE, DEFAULT_TASK
-from app.records import LABELS, MEMORY_MODES, MODES, PROPOSALS, REHEARSAL_CONTEXTS, SELECTORS, TOOL_CHOICES
+from app.records import (DEFAULT_REHEARSAL_CONTEXT, LABELS, MEMORY_MODES, MODES, PROPOSALS, REHEARSAL_CONTEXTS,
+                         SELECTORS, TOOL_CHOICES)
 from app.trace_io import MAX_IMPORT_BYTES
 
 __all__ = ["LABELS", "MEMORY_MODES", "MODES", "PROPOSALS", "REHEARSAL_CONTEXTS", "SELECTORS", "TOOL_CHOICES", "DEFAULT_MODEL", "DEFAULT_TASK"]
@@ -34,7 +35,7 @@ UI_DEFAULTS = {
     "temperature": 0.8,
     "seed": 0,
     "shadow": True,
-    "rehearsal_context": "history",
+    "rehearsal_context": DEFAULT_REHEARSAL_CONTEXT,
     "tool_choice": "required",  # only without the shipped adapter (the bare base model never writes <tool_call>); auto with it
     "proposal": "sample",
     "relevance": DEFAULT_RELEVANCE,
