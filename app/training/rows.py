@@ -50,9 +50,10 @@ class PromptContext:
     memory_k: int = 0
     memory_share: float = 1.0
     """The share of Rehearse rows given memory (the rest keep the prompt without it, so both work)."""
-    state_share: float = 0.0
-    """The share of Rehearse rows whose prompt shows the state before the call (`history+state`) where the step
-    recorded one; the rest keep the episode's own rehearsal context."""
+    state_share: float | None = None
+    """None: each Rehearse row shows what its episode's rehearsal context showed (the prompt the rehearser saw).
+    A share: that share of rows shows the state before the call (`history+state`, where the step recorded one),
+    a fixed draw per row, and the rest the history alone, so a model learns both."""
 
 
 # ---------------------------------------------------------------- expert traces
@@ -152,11 +153,12 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
 
 
 def _row_context(ctx: PromptContext, episode: Episode, step: Step, ref: str) -> str:
-    """A Rehearse row's context: `history+state` for the `state_share` of rows (a fixed draw per row) whose step
-    recorded its state, else the episode's."""
-    if step.state_before is not None and zlib.crc32(b"state:" + ref.encode()) % 1000 < ctx.state_share * 1000:
-        return "history+state"
-    return episode.settings.rehearsal_context
+    """A Rehearse row's context: the episode's, or with a `state_share` `history+state` for that share of rows (a
+    fixed draw per row) whose step recorded its state and `history` for the rest."""
+    if ctx.state_share is None:
+        return episode.settings.rehearsal_context
+    drawn = zlib.crc32(b"state:" + ref.encode()) % 1000 < ctx.state_share * 1000
+    return "history+state" if drawn and step.state_before is not None else "history"
 
 
 def _row_memory(ctx: PromptContext, episode: Episode, branch: Branch, recent: list[Any], ref: str) -> list[MemoryHit]:
