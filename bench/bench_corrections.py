@@ -1,8 +1,8 @@
 """A simulated annotator: correct N diverged rehearsals of a few tools, fine-tune as the tab does, measure unseen calls.
 
 1. Divergences: the ground truth of BFCL `multi_turn_base` training-split tasks (index mod 4 != 3), replayed in the
-   real classes (`expert_episode`), each call rehearsed by the shipped adapter with its real history (greedy,
-   constrained, as `forced_rehearsal` does). The tools with the most diverged rehearsals (exact false) are the
+   real classes (`expert_episode`), each call rehearsed by the shipped adapter with its real history and the
+   default rehearsal context (greedy, constrained, as `forced_rehearsal` does). The tools with the most diverged rehearsals (exact false) are the
    corrected tools; N of their diverged calls are stored as annotated branches whose correction is the real
    response (what a careful annotator would type).
 2. The fine-tune: `app.service.finetune.build_request` + `run_finetune`, the Fine-tune tab's own path, with the
@@ -61,7 +61,7 @@ def rehearse_training_calls(policy, n_tasks: int, seed: int, batch: int = 8) -> 
         for view in replay(episode, task):
             b = view.step.chosen_branch
             if b.kind == "call" and b.call is not None:
-                prompts.append(view.rehearse_prompt(b.call, constrain=True))
+                prompts.append(view.rehearse_prompt(b.call, episode.settings.rehearsal_context, constrain=True))
                 items.append({"task": task_id, "episode": episode, "step": view.step.index, "tool": b.call.name,
                               "actual": b.actual})
     config = GenerationConfig(max_new_tokens=128, temperature=0.0, stop=REHEARSE_STOP)
