@@ -14,6 +14,9 @@ the functions with the most time of their own per K, with their share, in `bench
 `--memory`: each K with the rehearsal memory off and seeded (the training split's transitions retrieved into every
 Rehearse prompt, `app.engine.memory`), timed in the same run: writes `bench/results/step_latency_memory.json`.
 
+`--state`: each K with the Rehearse prompt's context `history` and `history+state` (the default: the state before
+the call, `app.formats.state_section`), timed in the same run: writes `bench/results/step_latency_state.json`.
+
 `--ahead`: as the Run tab does, each step is computed ahead while a person would read the task picked or the
 last step (`EpisodeRunner.compute_ahead`, timed apart: the reading time the wait assumes), then Step is timed:
 the wait. Writes `bench/results/step_latency_ahead.json`.
@@ -198,6 +201,8 @@ def main() -> None:
                         help="the native decode step off (writes step_latency_torch_step.json): the same-day baseline")
     parser.add_argument("--memory", action="store_true",
                         help="time each K with the rehearsal memory off and seeded (step_latency_memory.json)")
+    parser.add_argument("--state", action="store_true",
+                        help="time each K with the state in Rehearse prompts and without (step_latency_state.json)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the steps (writes step_profile.json only: the profiler slows them)")
     parser.add_argument("--relevance-tops", default="",
@@ -219,21 +224,24 @@ def main() -> None:
     store = Store(Path(tempfile.mkdtemp()) / "bench.db")
     rows: dict[str, dict] = {}
     profiles: dict[str, list[dict]] = {}
-    runs = [(k, None) for k in map(int, args.ks.split(","))]
+    runs: list[tuple[int, str | None, str | None]] = [(k, None, None) for k in map(int, args.ks.split(","))]
     memory = None
     if args.memory:
         from app.training.memory_seed import open_memory
 
         memory = open_memory(Store(Path(tempfile.mkdtemp()) / "memory.db"))
-        runs = [(k, m) for k, _ in runs for m in ("off", "seed")]
-    for k, memory_mode in runs:
+        runs = [(k, m, None) for k, _, _ in runs for m in ("off", "seed")]
+    if args.state:
+        runs = [(k, None, c) for k, _, _ in runs for c in ("history", "history+state")]
+    for k, memory_mode, context in runs:
         settings = RunSettings(mode="parallel", branches=k, selector="logprob", seed=0, shadow=True,
-                               proposal=args.proposal, relevance=args.relevance, memory=memory_mode or "off")
+                               proposal=args.proposal, relevance=args.relevance, memory=memory_mode or "off",
+                               **({"rehearsal_context": context} if context else {}))
         if memory_mode is not None:  # a fresh copy each run: what one run's episodes observe stays out of the next
             run_memory = memory.detached() if memory_mode == "seed" else None
         else:
             run_memory = None
-        key = str(k) if memory_mode is None else f"{k}/{memory_mode}"
+        key = f"{k}/{memory_mode}" if memory_mode else f"{k}/{context}" if context else str(k)
         runner = EpisodeRunner(envs.load_task(task_ids[0]), policy, settings, memory=run_memory)
         runner.step()  # warm-up: first-call allocations, grammar compilation, tokenizer caches
         policy.forget_scores()  # each K starts with no tool line encoded
@@ -296,6 +304,16 @@ def main() -> None:
         write_results("step_latency_memory", {"adapter": SHIPPED_ADAPTER.name, "memory_transitions": len(memory),
                                               "memory_k": RunSettings().memory_k, "tasks": task_ids,
                                               "steps_per_task": args.steps, "results": rows})
+        return
+    if args.state:
+        for k in map(int, args.ks.split(",")):
+            with_state, without = rows[f"{k}/history+state"], rows[f"{k}/history"]
+            with_state["ratio_to_history"] = round(with_state["p50_s"] / without["p50_s"], 2)
+            with_state["paired_median_ratio_to_history"] = paired_ratio(without["per_step"], with_state["per_step"])
+            print(f"K={k}: p50 with the state / without {with_state['ratio_to_history']} "
+                  f"(paired median {with_state['paired_median_ratio_to_history']})")
+        write_results("step_latency_state", {"adapter": SHIPPED_ADAPTER.name, "tasks": task_ids,
+                                             "steps_per_task": args.steps, "results": rows})
         return
     if "1" in rows and "4" in rows:
         rows["4"]["ratio_to_k1"] = round(rows["4"]["p50_s"] / rows["1"]["p50_s"], 2)
