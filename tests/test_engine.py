@@ -192,13 +192,14 @@ def test_state_snapshot_reaches_the_rehearse_prompt():
     assert "Environment state" in policy.rehearse_calls[0][0].messages[-1]["content"]
 
 
-def test_by_default_a_rehearsal_sees_the_state_of_its_tools_class_before_the_call():
-    """The default context is history+state: on BFCL the Rehearse prompt shows the calling class's state as it
-    was before the step (the file `ls` will list), and no other class's."""
+def test_history_and_state_shows_a_rehearsal_the_state_of_its_tools_class_before_the_call():
+    """Under history+state, on BFCL the Rehearse prompt shows the calling class's state as it was before the step
+    (the file `ls` will list), and no other class's; the default shows none."""
     task = envs.load_task("bfcl:multi_turn_base_0")
+    assert RunSettings().rehearsal_context == "history"
     policy = ScriptedPolicy([[call("ls")], [call("mkdir", dir_name="newdir")], [call("ls")]])
-    r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=1, shadow=False))
-    assert r.settings.rehearsal_context == "history+state"
+    r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=1, shadow=False,
+                                                rehearsal_context="history+state"))
     for _ in range(3):
         r.step()
     prompts = [batch[0].messages[-1]["content"] for batch in policy.rehearse_calls]

@@ -242,6 +242,12 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys, argv: list[str], messag
     assert code == 2 and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("share", ["1.5", "-0.1"])
+def test_train_agent_refuses_a_state_share_outside_0_to_1(tmp_path: Path, capsys, share: str) -> None:
+    code = main(["train-agent", "--out", str(tmp_path / "a"), "--state-share", share])
+    err = capsys.readouterr().err
+    assert code == 2 and "--state-share 0-1" in err and err.count("\n") == 1 and not (tmp_path / "a").exists()
+
 def test_cli_missing_db(tmp_path: Path, capsys) -> None:
     code = main(["finetune", "--db", str(tmp_path / "x.db"), "--steps", "3", "--out", str(tmp_path / "n"),
                  "--parent", "none"])

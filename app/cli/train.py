@@ -46,7 +46,7 @@ def register(sub: Any) -> None:
                    help="with --memory-k: the share of Rehearse rows given memory")
     p.add_argument("--state-share", type=float, default=d.state_share,
                    help="the share of Rehearse rows whose prompt shows the state before the call "
-                        "(rehearsal context history+state)")
+                        "(rehearsal context history+state), the rest the history alone (default: as recorded)")
     p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
     p.add_argument("--parent", default=None,
                    help="continue this adapter directory (a warm start) instead of a new LoRA")
@@ -135,7 +135,7 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     if unknown or not cfg.rehearse_categories:
         raise UserError(f"--rehearse-categories: unknown {', '.join(unknown) or '(none given)'}; "
                         f"valid: {', '.join(CATEGORIES)}")
-    if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1 or not 0 <= args.state_share <= 1:
+    if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1 or not 0 <= (args.state_share or 0) <= 1:
         raise UserError("--memory-k must be 0-8, --memory-share and --state-share 0-1")
     if args.parent and not (Path(args.parent) / "adapter_config.json").is_file():
         raise UserError(f"--parent {args.parent} is not a LoRA adapter directory")

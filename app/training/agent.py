@@ -67,10 +67,10 @@ class AgentTrainingConfig:
     own task's but its episode's earlier calls), as the rehearser does at run time; 0: no memory in rows."""
     memory_share: float = 0.8
     """With `memory_k`: the share of Rehearse rows given memory (the others keep the plain prompt)."""
-    state_share: float | None = 0.75
+    state_share: float | None = None
     """The share of Rehearse rows whose prompt shows the state before the call (`history+state`, the tool's own
-    class's state); the others show the history alone, so the adapter serves both contexts (the shipped adapter's
-    last run: 0.75). None: each row as its episode's rehearsal context (the default, `history+state`)."""
+    class's state); the others show the history alone, so the adapter serves both contexts (the state candidate:
+    0.75). None: each row as its episode's rehearsal context."""
     single_turn_rows: int = 0
     """Act rows from BFCL single-turn tool selection (`rows.single_turn_rows`, 1,205 in all) sampled into
     round 1 (0: none, the shipped adapter's recipe; -1: all)."""
