@@ -112,6 +112,12 @@ def test_an_episode_already_present_refuses_the_whole_file_unless_skipped(export
      "points at step 40, branch 1, which the episode does not have"),
     (lambda rec: json.dumps({**rec, "annotations": [{**rec["annotations"][0], "label": "awful"}]}),
      "line 1: annotations.0.label"),
+    (lambda rec: json.dumps({**rec, "episode": {**rec["episode"], "external_calls": 2**63}}),
+     "line 1: episode.external_calls = 9223372036854775808 is outside the 64-bit integer range"),
+    (lambda rec: json.dumps({**rec, "episode": {**rec["episode"], "steps": [
+        {**rec["episode"]["steps"][0], "branches": [{**b, "duplicates": -2**63 - 1}
+                                                     for b in rec["episode"]["steps"][0]["branches"]]}]}}),
+     "line 1: episode.steps[0].branches[0].duplicates = -9223372036854775809 is outside"),
     (lambda rec: json.dumps(rec) + "\n" + json.dumps(rec), "line 2: episode"),
     (lambda rec: "\n\n", "holds no episodes"),
 ])

@@ -109,6 +109,25 @@ def _check_references(record: TraceRecord, line: int) -> None:
                                  f"branch {ann.branch}, which the episode does not have")
 
 
+SQLITE_INT = (-2**63, 2**63 - 1)
+"""The range of an SQLite INTEGER column; a typed integer field outside it cannot be stored."""
+
+
+def _check_integers(model: BaseModel, line: int, where: str = "") -> None:
+    """Every integer field of the record's models (not the free-form JSON values inside them, stored as text) fits
+    SQLite's 64-bit INTEGER, so a valid file never fails half-way through its import."""
+    for name, value in model:
+        path = f"{where}.{name}" if where else name
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            at = f"{path}[{i}]" if isinstance(value, list) else path
+            if isinstance(item, BaseModel):
+                _check_integers(item, line, at)
+            elif isinstance(item, int) and not isinstance(item, bool) and not SQLITE_INT[0] <= item <= SQLITE_INT[1]:
+                raise TraceFileError(f"line {line}: {at} = {item} is outside the 64-bit integer range a database "
+                                     "column holds")
+
+
 def _check_corrections(record: TraceRecord, line: int) -> None:
     """A corrected action is a call of a tool of its step with schema-valid arguments, or a plain answer marked as
     such (`corrected_action_kind: "answer"`); an episode whose task cannot be rebuilt here has its calls checked
@@ -153,6 +172,7 @@ def parse_traces(data: bytes, max_bytes: int = MAX_IMPORT_BYTES) -> list[TraceRe
             record = TraceRecord.model_validate(value)
         except ValidationError as exc:
             raise TraceFileError(f"line {line_no}: {_first_error(exc)}") from None
+        _check_integers(record, line_no)
         _check_references(record, line_no)
         _check_corrections(record, line_no)
         if record.episode.id in seen:
