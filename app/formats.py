@@ -65,9 +65,13 @@ def call_text(call: Call) -> str:
     return f"{TOOL_CALL_OPEN}{body}{TOOL_CALL_CLOSE}"
 
 
-def short_json(value: Any, limit: int = RESULT_CHARS) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
+def cut(text: str, limit: int) -> str:
+    """`text`, or its first `limit` - 3 characters and "..." when it is longer."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_json(value: Any, limit: int = RESULT_CHARS) -> str:
+    return cut(json.dumps(value, ensure_ascii=False, default=str), limit)
 
 
 # ---------------------------------------------------------------- tools
@@ -316,8 +320,7 @@ def state_section(tool: Tool | None, state: Any) -> str:
         head, state = f"Environment state ({tool.env_class}):", state[tool.env_class]
     else:
         head = "Environment state:"
-    text = canonical_json(state)
-    return head + "\n" + (text if len(text) <= STATE_CHARS else text[:STATE_CHARS - 3] + "...")
+    return head + "\n" + cut(canonical_json(state), STATE_CHARS)
 
 
 def rehearse_prompt(tool: Tool | None, call: Call, history: list[HistoryItem],

@@ -186,6 +186,12 @@ def end_of_turn_id(tokenizer: Any) -> int | None:
     return tokenizer.eos_token_id
 
 
+def end_of_turn_text(tokenizer: Any) -> str:
+    """`end_of_turn_id` as text ("" without one): what a row's target ends with, in training and when scored."""
+    eot = end_of_turn_id(tokenizer)
+    return tokenizer.convert_ids_to_tokens(eot) if eot is not None else ""
+
+
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -203,7 +209,7 @@ def encode_rows(tokenizer: Any, rows: Sequence[TrainRow], max_seq_len: int | Non
     context inference gives it; the long shared prefix is then computed once.
     """
     eot = end_of_turn_id(tokenizer)
-    eot_text = tokenizer.convert_ids_to_tokens(eot) if eot is not None else ""
+    eot_text = end_of_turn_text(tokenizer)
     kept: list[EncodedRow] = []
     dropped: list[TrainRow] = []
     open_pack: EncodedRow | None = None
@@ -447,6 +453,6 @@ def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
 
 __all__ = [
     "BASE_MODEL_ID", "EncodedRow", "LINEAR_TARGETS", "Progress", "ProgressCallback", "ROLES", "Role",
-    "TrainConfig", "TrainResult", "TrainRow", "TrainingError", "encode_rows", "end_of_turn_id",
+    "TrainConfig", "TrainResult", "TrainRow", "TrainingError", "encode_rows", "end_of_turn_id", "end_of_turn_text",
     "is_adapter_dir", "nll_of_rows", "render", "save_adapter", "train", "trainable_model",
 ]

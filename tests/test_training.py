@@ -435,8 +435,8 @@ def test_the_fine_tunes_measurements_decode_as_the_app_and_leave_the_training_mo
     after = {n: p for n, p in loaded.model.named_parameters() if "lora_" in n}
     assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in before)
     # its NLL of a target, scored on the prompt KV the decode left in its cache, is the training model's
-    from app.training.finetune import end_of_turn_text, rehearse_measure
-    from model_backend.training import TrainRow, encode_rows, nll_of_rows
+    from app.training.finetune import rehearse_measure
+    from model_backend.training import TrainRow, encode_rows, end_of_turn_text, nll_of_rows
 
     targets = ['{"current_working_directory": "d0"}', '{"error": "cd: d1: No such directory"}', 'null']
     rows = [TrainRow("rehearse", p, t + "</execution_result>") for p, t in zip(prompts, targets)]

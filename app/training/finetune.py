@@ -237,7 +237,7 @@ def correction_metrics(policy: Any, tokenizer: Any, rows: list[Any], agreement: 
     """NLL of the corrected responses under Rehearse (and with `agreement`, Rehearse exact), and Act NLL and
     agreement with the corrected actions, all on `policy` (`measuring_policy`: the app's own decoding)."""
     from model_backend.base import GenerationConfig
-    from model_backend.training import encode_rows
+    from model_backend.training import encode_rows, end_of_turn_text
 
     out: dict[str, Any] = {}
     eot = end_of_turn_text(tokenizer)
@@ -252,9 +252,9 @@ def correction_metrics(policy: Any, tokenizer: Any, rows: list[Any], agreement: 
             out["rehearse_exact"] = round(sum(bool(e) for e, _ in measured) / len(rehearse), 4)
     act = [r for r in rows if r.role == "act"]
     if act:
-        encoded, _ = encode_rows(tokenizer, act)
         out["act_nll"] = round(sum(target_nll(policy, act, eot)) / len(act), 4)
         if agreement:
+            encoded, _ = encode_rows(tokenizer, act)  # each target's length: its decode budget
             agree = 0
             for row, enc in zip(act, encoded):
                 config = GenerationConfig(max_new_tokens=enc.n_target + 8, temperature=0.0, stop=("</tool_call>",))
@@ -262,14 +262,6 @@ def correction_metrics(policy: Any, tokenizer: Any, rows: list[Any], agreement: 
                 agree += _same_action(text, row.prompt.prefill + row.target)
             out["act_agreement"] = round(agree / len(act), 4)
     return out
-
-
-def end_of_turn_text(tokenizer: Any) -> str:
-    """The end-of-turn token as text: a row's target ends with it in training (`encode_rows`), so it is scored."""
-    from model_backend.training import end_of_turn_id
-
-    eot = end_of_turn_id(tokenizer)
-    return tokenizer.convert_ids_to_tokens(eot) if eot is not None else ""
 
 
 def target_nll(policy: Any, rows: list[Any], eot: str) -> list[float]:
@@ -402,7 +394,7 @@ def rehearse_measure(policy: Any, rows: list[Any], encoded: list[Any], eot: str,
 
 def rehearse_scores(policy: Any, tokenizer: Any, rows: list[Any]) -> list[tuple[bool, float]]:
     """(greedy Rehearse output equals the target, NLL of the target) of each Rehearse row, on `policy`."""
-    from model_backend.training import encode_rows
+    from model_backend.training import encode_rows, end_of_turn_text
 
     if not rows:
         return []
