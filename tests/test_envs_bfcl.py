@@ -235,6 +235,20 @@ def test_fork_is_independent() -> None:
     assert "only_on_fork" not in env.call("ls", {}).output["current_directory_content"]
 
 
+def test_the_state_says_where_the_file_system_is_so_cd_is_a_change_of_state() -> None:
+    env = make_env(load_task("bfcl:multi_turn_base_0"))
+    start = env.state()["GorillaFileSystem"]["current_working_directory"]
+    assert start == env.call("pwd", {}).output["current_working_directory"]
+    listing = env.call("ls", {}).output["current_directory_content"]
+    folder = next(name for name in listing if not env.fork().call("cd", {"folder": name}).error)
+    before = env.state()
+    assert not env.call("cd", {"folder": folder}).error
+    after = env.state()["GorillaFileSystem"]["current_working_directory"]
+    assert after == f"{start.rstrip('/')}/{folder}" and env.state() != before
+    assert env.call("cd", {"folder": "no_such_folder"}).error
+    assert env.state()["GorillaFileSystem"]["current_working_directory"] == after
+
+
 # -- ground truth and the judge -----------------------------------------------------
 
 def test_replay_all_base_tasks_passes() -> None:

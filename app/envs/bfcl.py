@@ -170,11 +170,15 @@ class BFCLEnvironment(Environment):
         return copy.deepcopy(self, {id(tool): tool for tool in self._tools.values()})
 
     def state(self) -> dict[str, Any]:
-        """Public attributes (no leading underscore) of every instance, JSON-able, by class."""
-        return {
-            name: {k: to_jsonable(v) for k, v in vars(inst).items() if not k.startswith("_")}
-            for name, inst in self._instances.items()
-        }
+        """Public attributes (no leading underscore) of every instance, JSON-able, by class; the file system's
+        working directory too (private in `GorillaFileSystem`, yet it decides what `cat`, `ls` or `cd` answer),
+        under the name its `pwd` tool uses."""
+        out = {}
+        for name, inst in self._instances.items():
+            out[name] = {k: to_jsonable(v) for k, v in vars(inst).items() if not k.startswith("_")}
+            if hasattr(inst, "_current_dir") and callable(getattr(inst, "pwd", None)):
+                out[name]["current_working_directory"] = inst.pwd()["current_working_directory"]
+        return out
 
     @property
     def instances(self) -> dict[str, Any]:
