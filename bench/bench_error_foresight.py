@@ -2,7 +2,8 @@
 almost never fail. This rolls out held-out tasks as the model card does (`rollout_settings`: parallel K=2, logprob
 selector, tools ranked, shadow execution) and counts, over every rehearsed branch with a real response (committed or
 shadow): exact predictions, real errors, real errors the rehearsal predicted (an `error` key in both), and false
-alarms (a predicted error where the call succeeded).
+alarms (a predicted error where the call succeeded). It also counts the episodes' plain answers, and on question
+turns (the turn's own read-only calls returned data) the answers that carry that data.
 
 Each `--runs` entry is `name=adapter_dir@context` (context `history` or `history+state`); the first held-out
 `multi_turn_base` tasks, first `--turns` turns. Writes bench/results/error_foresight.json (`--name` to change).
@@ -20,12 +21,31 @@ from common import ROOT, write_results
 sys.path.insert(0, str(ROOT))
 
 from app import envs  # noqa: E402
+from app.engine.replay import replay  # noqa: E402
 from app.training.agent import SHIPPED_ADAPTER, rollout_settings, run_episode  # noqa: E402
+from app.training.rows import answer_values, as_gold, mentions  # noqa: E402
 from model_backend import load_policy  # noqa: E402
 
 CANDIDATE = ROOT / "fixtures" / "adapters" / "candidates" / "envace-smollm2-135m-state"
 DEFAULT_RUNS = (f"shipped={SHIPPED_ADAPTER}@history,candidate={CANDIDATE}@history,"
                 f"candidate+state={CANDIDATE}@history+state")
+
+
+def turn_answers(episode) -> list[dict]:
+    """Each plain answer of the episode, and whether it carries the data its turn's own read-only calls returned
+    (`rows.answer_values`: a question turn when there is any)."""
+    task = envs.load_task(episode.task_id)
+    out, calls = [], []
+    for view in replay(episode, task):
+        gold = as_gold(view)
+        if gold is not None:
+            calls.append(gold)
+        elif view.step.chosen_branch.kind == "answer":
+            values = answer_values([g for g in calls if g.turn == view.step.turn])
+            text = view.step.chosen_branch.action_text
+            out.append({"task": episode.task_id, "turn": view.step.turn, "text": text, "question": bool(values),
+                        "mentions": bool(values) and mentions(text, values)})
+    return out
 
 
 def is_error(value: object) -> bool:
@@ -48,9 +68,10 @@ def main() -> None:
         policy = load_policy("embedded", adapter=adapter)
         settings = rollout_settings().model_copy(update={"rehearsal_context": context})
         started = time.perf_counter()
-        branches = []
+        branches, answers = [], []
         for task_id in task_ids:
             episode = run_episode(task_id, policy, settings, args.turns)
+            answers += turn_answers(episode)
             for step in episode.steps:
                 for b in step.branches:
                     if b.kind == "call" and b.call is not None and b.actual_source is not None:
@@ -63,9 +84,11 @@ def main() -> None:
                   "exact": sum(b["exact"] for b in branches), "real_errors": len(errors),
                   "foreseen": sum(is_error(b["predicted"]) for b in errors),
                   "false_alarms": sum(is_error(b["predicted"]) and not is_error(b["actual"]) for b in branches),
-                  "seconds": round(time.perf_counter() - started, 1), "details": branches}
+                  "answers": len(answers), "question_turns": sum(a["question"] for a in answers),
+                  "answers_with_data": sum(a["mentions"] for a in answers),
+                  "seconds": round(time.perf_counter() - started, 1), "details": branches, "answer_details": answers}
         out["runs"][name] = result
-        print(name, {k: v for k, v in result.items() if k != "details"}, flush=True)
+        print(name, {k: v for k, v in result.items() if not k.endswith("details")}, flush=True)
         write_results(args.name, out)  # after every run: a long run keeps what it measured
         del policy
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,12 @@ from app.records import Annotation, RunSettings
 from app.store import Recorder, Store
 from app.formats import canonical_json, rehearse_target
 from app.engine.replay import replay, replay_ground_truth
-from app.training.rows import (FINAL_ANSWER, PromptContext, act_row_prompt, episode_rows, expert_episode,
-                               self_training_rows)
-from app.training.memory_seed import task_transitions
+from app.training.rows import (ANSWER_CHARS, FINAL_ANSWER, PromptContext, act_row_prompt, answer_values,
+                               episode_rows, expert_episode, final_answer, mentions, self_training_rows)
+from app.training.memory_seed import argument_pool, task_transitions
+from app.envs.base import ToolResult
+from app.training.agent import forced_answers
+from model_backend.base import Generation
 from model_backend.training import TrainConfig, TrainingError, save_adapter
 from scripted import ScriptedPolicy, branch_ids, call, mock_episode, stored_mock_episode
 
@@ -87,11 +91,113 @@ def test_expert_episode_replays_ground_truth_and_ends_turns() -> None:
     assert len(ep.steps) == gold + len(task.turns)
     rows = episode_rows(ep, task, PromptContext(lambda t: max(1, len(t) // 4), 8192), source="expert")
     acts = [r for r in rows if r.role == "act"]
-    assert len(acts) == len(ep.steps) and sum(r.target == FINAL_ANSWER for r in acts) == len(task.turns)
+    answers = [r.target for r in acts if not r.target.startswith("<tool_call>")]
+    assert len(acts) == len(ep.steps) and len(answers) == len(task.turns)
+    assert all(a.startswith("Done") for a in answers)
     assert sum(r.role == "rehearse" for r in rows) == gold
     # A later prompt extends the earlier one: the history holds the call and its real result.
     views = list(replay(ep, task))
     assert views[1].history[-1].role == "tool" and views[1].history[-1].result == ep.steps[0].branches[0].actual
+
+
+def test_a_turns_answer_reports_what_its_real_results_say() -> None:
+    """The expert's answer at a turn's end is built from the turn's real results: a question turn's answer carries
+    the data its read-only calls returned, a turn of writes says what the last write answered, a turn whose calls
+    returned nothing is the plain reply; every answer fits its budget."""
+    golds_by_turn: list[list] = []
+    for task_id in envs.list_tasks("multi_turn_base", "train")[:12]:
+        task = envs.load_task(task_id)
+        env = envs.make_env(task)
+        golds_by_turn += [list(replay_ground_truth(task, env, turn)) for turn in range(len(task.ground_truth))]
+    kinds = set()
+    for golds in golds_by_turn:
+        answer, values = final_answer(golds), answer_values(golds)
+        assert len(answer) <= ANSWER_CHARS and "\n\n" not in answer
+        if values:  # a question turn: the read-only data is in the answer
+            kinds.add("question")
+            assert mentions(answer, values), (answer, values)
+        elif any(g.result.output not in (None, {}, [], "") for g in golds):
+            kinds.add("writes")
+            last = [g for g in golds if g.result.output not in (None, {}, [], "")][-1]
+            assert answer.startswith(f"Done. {last.name} returned"), answer
+        else:
+            kinds.add("nothing")
+            assert answer == FINAL_ANSWER
+    assert kinds == {"question", "writes", "nothing"}
+    # A result too long for the budget is cut, and a failed call says so.
+    task = envs.load_task("bfcl:multi_turn_base_0")
+    gold = next(replay_ground_truth(task, envs.make_env(task), 0))
+    long = replace(gold, result=ToolResult({"error": "x" * 500}, error=True))
+    assert final_answer([long]).startswith(f"Done. {gold.name} failed: error: xxx")
+    assert len(final_answer([long])) == ANSWER_CHARS and final_answer([long]).endswith("...")
+
+
+def test_an_expert_episode_can_explore_calls_on_forks_and_they_become_rehearse_rows_only() -> None:
+    """`expert_episode(explore=1)`: before each gold call a sampled call runs on a fork of the state it meets; it is
+    kept as an unchosen branch with its real response (errors included) and becomes a Rehearse row with source
+    `explore`, never an Act row; the gold replay, its states and the judge's verdict are unchanged; the draw is
+    fixed per task and seed."""
+    ids = envs.list_tasks("multi_turn_base", "train")[:20]
+    pool = argument_pool(ids)
+    task = envs.load_task(ids[0])
+    plain, explored = expert_episode(task), expert_episode(task, 1, pool)
+    assert explored.success == plain.success is True
+    assert [(s.chosen_branch.action_text, s.state_before) for s in explored.steps] == [
+        (s.chosen_branch.action_text, s.state_before) for s in plain.steps]
+    extra = [(s, b) for s in explored.steps for b in s.branches if not b.chosen]
+    assert extra and all(b.actual_source == "shadow" and b.call is not None for _, b in extra)
+    assert explored.shadow_calls == len(extra)
+    # Each explored response is what its call really returns on the state the gold call met.
+    calls = [s for s in explored.steps if s.kind == "call"]
+    env, seen = envs.make_env(task), []
+
+    def check(gold) -> None:
+        step = calls[len(seen)]
+        seen.append([env.fork().call(b.call.name, b.call.arguments).output == b.actual
+                     for b in step.branches if not b.chosen])
+
+    for turn in range(len(task.ground_truth)):
+        list(replay_ground_truth(task, env, turn, before=check))
+    assert len(seen) == len(calls) and all(all(ok) for ok in seen)
+    assert all(b.action_text != s.chosen_branch.action_text for s, b in extra)
+    errors = sum(bool(b.actual_error) for ep_id in ids[:8]
+                 for s in expert_episode(envs.load_task(ep_id), 1, pool).steps for b in s.branches if not b.chosen)
+    assert errors > 0
+    ctx = PromptContext(lambda t: max(1, len(t) // 4), 8192)
+    rows = episode_rows(explored, task, ctx, source="expert")
+    assert sorted(r.ref for r in rows if r.source == "explore") == sorted(
+        f"{explored.id}/{s.index}/{b.index}" for s, b in extra)
+    assert all(r.role == "rehearse" for r in rows if r.source == "explore")
+    assert [r for r in rows if r.role == "act"] == [r for r in episode_rows(plain, task, ctx, source="expert")
+                                                    if r.role == "act"]
+    assert [b.action_text for s in expert_episode(task, 1, pool).steps for b in s.branches] == [
+        b.action_text for s in explored.steps for b in s.branches]
+
+
+class AnsweringScript(ScriptedPolicy):
+    """A scripted policy (a unit test of the measurement, not a model): `act_each` writes `answer(prompt)`."""
+
+    def __init__(self, answer) -> None:
+        super().__init__([])
+        self.answer = answer
+
+    def act_each(self, prompts, config):
+        return [Generation(text=self.answer(p), token_logprobs=[-0.1], sampled=False) for p in prompts]
+
+
+def test_forced_answers_count_answers_that_carry_the_data_of_question_turns() -> None:
+    ids = envs.list_tasks("multi_turn_base", "heldout")[:3]
+    echo = forced_answers(AnsweringScript(lambda p: "Done. " + " ".join(str(m["content"]) for m in p.messages[1:]
+                                                                     if m["role"] not in ("system", "assistant"))),
+                          ids)
+    fixed = forced_answers(AnsweringScript(lambda p: FINAL_ANSWER), ids)
+    calls = forced_answers(AnsweringScript(lambda p: call("ls")), ids)
+    turns = sum(len(envs.load_task(t).turns) for t in ids)
+    assert echo["turns"] == fixed["turns"] == calls["turns"] == turns
+    assert 0 < echo["question_turns"] < turns and echo["question_turns"] == fixed["question_turns"]
+    assert (echo["answered"], echo["mentions"], echo["constant"]) == (1.0, 1.0, 0)
+    assert (fixed["answered"], fixed["mentions"], fixed["constant"]) == (1.0, 0.0, turns)
+    assert (calls["answered"], calls["mentions"]) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
@@ -247,6 +353,13 @@ def test_train_agent_refuses_a_state_share_outside_0_to_1(tmp_path: Path, capsys
     code = main(["train-agent", "--out", str(tmp_path / "a"), "--state-share", share])
     err = capsys.readouterr().err
     assert code == 2 and "--state-share 0-1" in err and err.count("\n") == 1 and not (tmp_path / "a").exists()
+
+@pytest.mark.parametrize("argv", [["--explore", "5"], ["--explore", "-1"], ["--explore", "1", "--explore-rows", "-3"]])
+def test_train_agent_refuses_an_explore_outside_its_range(tmp_path: Path, capsys, argv: list[str]) -> None:
+    code = main(["train-agent", "--out", str(tmp_path / "a"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "--explore must be 0-4" in err and err.count("\n") == 1 and not (tmp_path / "a").exists()
+
 
 def test_cli_missing_db(tmp_path: Path, capsys) -> None:
     code = main(["finetune", "--db", str(tmp_path / "x.db"), "--steps", "3", "--out", str(tmp_path / "n"),

@@ -47,6 +47,11 @@ def register(sub: Any) -> None:
     p.add_argument("--state-share", type=float, default=d.state_share,
                    help="the share of Rehearse rows whose prompt shows the state before the call "
                         "(rehearsal context history+state), the rest the history alone (default: as recorded)")
+    p.add_argument("--explore", type=int, default=d.explore,
+                   help="calls explored on forks before each expert call, Rehearse rows of their real responses "
+                        "(errors included; 0: none)")
+    p.add_argument("--explore-rows", type=int, default=d.explore_rows,
+                   help="with --explore: the explored Rehearse rows used in round 1 (default: all)")
     p.add_argument("--rollout-tasks", type=int, default=d.rollout_tasks, help="training tasks rolled out per round")
     p.add_argument("--parent", default=None,
                    help="continue this adapter directory (a warm start) instead of a new LoRA")
@@ -128,13 +133,16 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               rehearse_categories=tuple(c.strip() for c in args.rehearse_categories.split(",")
                                                         if c.strip()),
                               act_rows=args.act_rows, memory_k=args.memory_k, memory_share=args.memory_share,
-                              state_share=args.state_share)
+                              state_share=args.state_share, explore=args.explore,
+                              explore_rows=args.explore_rows)
     if args.self_rounds < 0 or args.rollout_tasks < 1 or args.round1_steps < 1:
         raise UserError("--self-rounds must be 0 or more; --rollout-tasks and --round1-steps at least 1")
     unknown = [c for c in cfg.rehearse_categories if c not in CATEGORIES]
     if unknown or not cfg.rehearse_categories:
         raise UserError(f"--rehearse-categories: unknown {', '.join(unknown) or '(none given)'}; "
                         f"valid: {', '.join(CATEGORIES)}")
+    if not 0 <= args.explore <= 4 or (args.explore_rows is not None and args.explore_rows < 0):
+        raise UserError("--explore must be 0-4 and --explore-rows 0 or more")
     if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1 or not 0 <= (args.state_share or 0) <= 1:
         raise UserError("--memory-k must be 0-8, --memory-share and --state-share 0-1")
     if args.parent and not (Path(args.parent) / "adapter_config.json").is_file():

@@ -71,6 +71,12 @@ class AgentTrainingConfig:
     """The share of Rehearse rows whose prompt shows the state before the call (`history+state`, the tool's own
     class's state); the others show the history alone, so the adapter serves both contexts (the state candidate:
     0.75). None: each row as its episode's rehearsal context."""
+    explore: int = 0
+    """Calls explored on forks before each expert call (`expert_episode(explore=)`: a sampled call of the same tool
+    or another, arguments from the training split's ground truth), each a Rehearse row of its real response, errors
+    included (source `explore`); 0: none, the shipped adapter's recipe."""
+    explore_rows: int | None = None
+    """With `explore`: the explored Rehearse rows sampled into round 1 (None: all)."""
     single_turn_rows: int = 0
     """Act rows from BFCL single-turn tool selection (`rows.single_turn_rows`, 1,205 in all) sampled into
     round 1 (0: none, the shipped adapter's recipe; -1: all)."""
@@ -207,6 +213,51 @@ def forced_rehearsal(policy: Any, task_ids: list[str], max_calls: int | None = N
     return out
 
 
+def forced_answers(policy: Any, task_ids: list[str], settings: RunSettings | None = None, batch: int = 4,
+                   details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The Act role at each turn's end after the turn's ground-truth calls and their real results (every model sees
+    the same history): does it answer (rather than call again), and on question turns (turns whose read-only calls
+    returned data, `rows.answer_values`) does the answer carry that data (`rows.mentions`)? `constant`: answers
+    that are the old fixed reply (`FINAL_ANSWER`). `details` receives one dict per turn."""
+    from app.engine.replay import GoldCall
+    from app.formats import ACT_STOP, parse_action
+    from app.training.rows import FINAL_ANSWER, act_row_prompt, answer_values, as_gold
+    from app.training.rows import mentions as carries
+    from model_backend.base import GenerationConfig
+
+    settings = settings or RunSettings()
+    ctx = PromptContext(policy.count_tokens, policy.context_window, settings=settings)
+    items: list[tuple[str, int, list[str]]] = []
+    prompts = []
+    for task_id in task_ids:
+        task = envs.load_task(task_id)
+        golds: list[GoldCall] = []
+        for view in replay(expert_episode(task), task):
+            gold = as_gold(view)
+            if gold is not None:
+                golds.append(gold)
+            elif view.step.chosen_branch.kind == "answer":
+                prompts.append(act_row_prompt(view, ctx))
+                items.append((task_id, view.step.turn, answer_values([g for g in golds if g.turn == view.step.turn])))
+    config = GenerationConfig(max_new_tokens=settings.max_action_tokens, temperature=0.0, stop=ACT_STOP)
+    answered = questions = carried = constant = 0
+    for i in tqdm(range(0, len(prompts), batch), desc="forced answers", unit="batch", leave=False):
+        for gen, (task_id, turn, values) in zip(policy.act_each(prompts[i:i + batch], config), items[i:i + batch]):
+            action = parse_action(gen.text)
+            is_answer = action.kind == "answer"
+            answered += is_answer
+            constant += is_answer and gen.text.strip() == FINAL_ANSWER
+            if values:
+                questions += 1
+                carried += is_answer and carries(gen.text, values)
+            if details is not None:
+                details.append({"task": task_id, "turn": turn, "text": gen.text, "answer": is_answer,
+                                "question": bool(values), "mentions": bool(values) and is_answer and carries(gen.text, values)})
+    n = len(prompts)
+    return {"turns": n, "answered": round(answered / n, 3) if n else None, "constant": constant,
+            "question_turns": questions, "mentions": round(carried / questions, 3) if questions else None}
+
+
 def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forced_calls: int = 40,
                    settings: RunSettings | None = None, minutes: float | None = None) -> dict[str, Any]:
     """Base-vs-adapter figures on the first `n_tasks` held-out tasks (index mod 4 == 3).
@@ -298,8 +349,8 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     train_ids = envs.list_tasks("multi_turn_base", "train")[:cfg.train_tasks]
     other_ids = [t for c in cfg.rehearse_categories if c != "multi_turn_base"
                  for t in envs.list_tasks(c, "train")[:cfg.train_tasks]]
-    rows, experts = expert_rows(train_ids, ctx)
-    other_rows, _ = expert_rows(other_ids, ctx) if other_ids else ([], [])
+    rows, experts = expert_rows(train_ids, ctx, cfg.explore, cfg.seed)
+    other_rows, _ = expert_rows(other_ids, ctx, cfg.explore, cfg.seed) if other_ids else ([], [])
     act = [r for r in rows if r.role == "act"]
     if cfg.act_rows is not None:
         rng.shuffle(act)
@@ -307,10 +358,14 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     rehearse = [r for r in rows + other_rows if r.role == "rehearse"]
     if "multi_turn_base" not in cfg.rehearse_categories:
         rehearse = [r for r in other_rows if r.role == "rehearse"]
+    explored = [r for r in rehearse if r.source == "explore"]
+    rehearse = [r for r in rehearse if r.source != "explore"]
     rng.shuffle(rehearse)
-    round1_rows = act + rehearse[:cfg.rehearse_rows]
+    rng.shuffle(explored)
+    round1_rows = act + rehearse[:cfg.rehearse_rows] + explored[:cfg.explore_rows]
     report(f"expert traces: {len(experts)} tasks, {len(act)} Act rows, {len(rehearse)} Rehearse rows "
-           f"({len(round1_rows) - len(act)} used)")
+           f"({len(rehearse[:cfg.rehearse_rows])} used), {len(explored)} explored Rehearse rows "
+           f"({len(explored[:cfg.explore_rows])} used)")
     if cfg.single_turn_rows:
         single = single_turn_rows(ctx)
         rng.shuffle(single)
@@ -362,7 +417,7 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
         "data": {"expert_tasks": len(train_ids), "split": "multi_turn_base, index mod 4 != 3",
                  "rehearse_categories": list(cfg.rehearse_categories), "rehearse_tasks": len(train_ids) + len(other_ids),
                  "memory": {"k": cfg.memory_k, "share": cfg.memory_share, "transitions": len(memory)}
-                 if memory is not None else None, "state_share": cfg.state_share,
+                 if memory is not None else None, "state_share": cfg.state_share, "explore": cfg.explore,
                  "expert_rows": _count(rows + other_rows), "round1_rows": _count(round1_rows),
                  "self_training_episodes": [e.task_id for e in episodes]},
         "rounds": [asdict(r) for r in rounds],
@@ -523,7 +578,11 @@ def card_markdown(card: dict[str, Any]) -> str:
         + (f"{cfg['act_rows']} Act rows" if cfg.get("act_rows") is not None else "every Act row") + " and "
         + (f"{cfg['rehearse_rows']} Rehearse rows sampled at random." if cfg.get('rehearse_rows') else "every Rehearse row.")
         + (f" {cfg['state_share']:.0%} of the Rehearse rows show the state before the call (the tool's own class's, "
-           "`rehearsal_context=history+state`), the others the history alone." if cfg.get("state_share") else ""),
+           "`rehearsal_context=history+state`), the others the history alone." if cfg.get("state_share") else "")
+        + (f" Explored calls: {cfg['explore']} sampled call(s) on a fork before each expert call (the same tool or "
+           "another, with arguments of the training split's ground truth), Rehearse rows of their real responses, "
+           "errors included; " + (f"{cfg['explore_rows']} used." if cfg.get("explore_rows") is not None else "all used.")
+           if cfg.get("explore") else ""),
         f"- Self-training: {cfg.get('self_rounds', 1)} round(s) of parallel-rehearsal rollouts "
         f"(K={cfg.get('rollout_branches', 2)}, logprob selector, schema-constrained decoding) on "
         f"{len(data['self_training_episodes'])} training tasks; Act rows kept only from turns that pass the BFCL "

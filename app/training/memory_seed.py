@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from app import envs
 from app.engine.replay import GoldCall, ground_truth_calls, replay_ground_truth
-from app.envs.base import Task, Tool
+from app.envs.base import Task, Tool, ToolResult
 from app.formats import canonical_json, in_schema_order
 from app.records import Transition
 
@@ -60,6 +60,38 @@ def _transition(tool: Tool | None, name: str, args: dict[str, Any], result: Any,
                       split=task.extra.get("split"))
 
 
+class ExploredCall(NamedTuple):
+    """A call sampled on a fork of a ground-truth call's state, with its real result."""
+
+    tool: Tool | None
+    name: str
+    arguments: dict[str, Any]
+    result: ToolResult
+
+
+def explore_calls(env: Any, gold: GoldCall, pool: dict[str, list[dict[str, Any]]], rng: random.Random,
+                  n: int = EXPLORE_PER_CALL, skip_gold: bool = False) -> list[ExploredCall]:
+    """`n` calls sampled on forks of the state `gold` meets: half the time `gold`'s own tool, else another tool
+    available there, with an argument set the pool holds for it; each with its real result. `skip_gold`: a draw
+    equal to the gold call is left out (training rows have the gold call already)."""
+    tools = {t.name: t for t in gold.tools}
+    out: list[ExploredCall] = []
+    for _ in range(n if env.forkable else 0):
+        other = gold.name if rng.random() < 0.5 else rng.choice(sorted(tools))
+        choices = pool.get(other) or ([{}] if not tools[other].parameters.get("required") else [])
+        if not choices:
+            continue
+        other_args = rng.choice(choices)
+        if skip_gold and other == gold.name and canonical_json(other_args) == canonical_json(gold.arguments):
+            continue
+        fork = env.fork()
+        try:
+            out.append(ExploredCall(tools.get(other), other, other_args, fork.call(other, other_args)))
+        finally:
+            fork.close()  # a fork may hold a server process (MCP); the declared default does nothing
+    return out
+
+
 def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: random.Random,
                      explore: int = EXPLORE_PER_CALL) -> list[Transition]:
     """The ground truth of `task` executed in order (`expert`), and `explore` sampled calls on a fork of the
@@ -67,20 +99,9 @@ def task_transitions(task: Task, pool: dict[str, list[dict[str, Any]]], rng: ran
     env = envs.make_env(task)
     out: list[Transition] = []
 
-    def explore_before(gold: GoldCall) -> None:  # calls on forks of the state the gold call meets
-        tools = {t.name: t for t in gold.tools}
-        for _ in range(explore if env.forkable else 0):
-            other = gold.name if rng.random() < 0.5 else rng.choice(sorted(tools))
-            choices = pool.get(other) or ([{}] if not tools[other].parameters.get("required") else [])
-            if not choices:
-                continue
-            other_args = rng.choice(choices)
-            fork = env.fork()
-            try:
-                out.append(_transition(tools.get(other), other, other_args, fork.call(other, other_args), "explore",
-                                       task))
-            finally:
-                fork.close()  # a fork may hold a server process (MCP); the declared default does nothing
+    def explore_before(gold: GoldCall) -> None:
+        for tool, name, args, result in explore_calls(env, gold, pool, rng, explore):
+            out.append(_transition(tool, name, args, result, "explore", task))
 
     try:
         for turn in range(len(task.ground_truth or [])):
@@ -126,5 +147,5 @@ def open_memory(store: Any, seed: bool = True) -> Any:
     return memory
 
 
-__all__ = ["EXPLORE_PER_CALL", "argument_pool", "ensure_seed", "open_memory", "seed_transitions",
+__all__ = ["EXPLORE_PER_CALL", "argument_pool", "ensure_seed", "ExploredCall", "explore_calls", "open_memory", "seed_transitions",
            "task_transitions", "training_task_ids"]

@@ -8,7 +8,9 @@ replay serves all sources.
 """
 from __future__ import annotations
 
+import json
 import logging
+import random
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
@@ -16,10 +18,11 @@ from typing import Any, Callable, Iterable
 from app import envs
 from app.engine.history import call_required
 from app.engine.memory import MemoryScope, observed
-from app.engine.replay import StepView, replay, replay_ground_truth
-from app.envs.base import Task
+from app.engine.replay import GoldCall, StepView, replay, replay_ground_truth
+from app.envs.base import Task, ToolResult
 from app.envs.bfcl_tasks import SINGLE_TURN_CATEGORIES, single_turn_examples
-from app.formats import TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, parse_action, rehearse_target
+from app.formats import (TOOL_CALL_OPEN, HistoryItem, act_prompt, call_text, cut, in_schema_order, parse_action,
+                         rehearse_target)
 from app.records import Annotation, Branch, Call, Episode, MemoryHit, RunSettings, Step, TurnResult, utcnow
 from model_backend.base import Prompt
 from model_backend.training import TrainRow
@@ -28,8 +31,10 @@ log = logging.getLogger(__name__)
 
 CountTokens = Callable[[str], int]
 FINAL_ANSWER = "Done: I have completed your request."
-"""The expert's reply at each turn end. BFCL judges state and results, not this text; the
-row teaches the agent to stop calling tools once the request is done."""
+"""The expert's reply at a turn's end with nothing to report (every call returned nothing). BFCL judges state and
+results, not this text; the row teaches the agent to stop calling tools once the request is done."""
+ANSWER_CHARS = 220
+"""The longest expert answer (about 60 tokens, inside `RunSettings.max_action_tokens`)."""
 EXPERT_MODEL = "expert"
 
 
@@ -59,28 +64,48 @@ class PromptContext:
 # ---------------------------------------------------------------- expert traces
 
 
-def expert_episode(task: Task) -> Episode:
+def expert_episode(task: Task, explore: int = 0, pool: dict[str, list[dict[str, Any]]] | None = None,
+                   seed: int = 0) -> Episode:
     """The ground-truth calls of `task` executed in a real environment, recorded as an Episode.
 
-    Each turn ends with a plain-text answer step (`FINAL_ANSWER`). Turns are checked by
-    the task's judge, so the episode says whether the replay really succeeded.
+    Each turn ends with a plain-text answer built from the turn's real results (`final_answer`). Turns are
+    checked by the task's judge, so the episode says whether the replay really succeeded. `explore` (with an
+    argument `pool`, `memory_seed.argument_pool`): that many calls sampled on forks before each gold call
+    (`memory_seed.explore_calls`), kept as unchosen branches with their real responses (`actual_source`
+    "shadow"): Rehearse rows of calls an agent might make, errors included. The draw is fixed per task and `seed`.
     """
+    from app.training.memory_seed import explore_calls
+
     if not task.ground_truth:
         raise ValueError(f"task {task.id} has no ground truth")
     env, judge = envs.make_env(task), envs.make_judge(task)
+    rng = random.Random(f"{seed}:{task.id}")
     settings = RunSettings(mode="none", branches=1, shadow=False)
     ep = Episode(id=f"expert-{task.id}", task_id=task.id, model=EXPERT_MODEL, settings=settings)
+    explored: list[Branch] = []
+
+    def before(gold: GoldCall) -> None:
+        explored.clear()
+        for e in explore_calls(env, gold, pool or {}, rng, explore, skip_gold=True) if explore else []:
+            call = Call(name=e.name, arguments=in_schema_order(e.arguments, e.tool))
+            if call_text(call) in {call_text(gold.call)} | {b.action_text for b in explored}:
+                continue
+            explored.append(Branch(index=len(explored) + 1, action_text=call_text(call), kind="call", call=call,
+                                   actual=e.result.output, actual_error=e.result.error, actual_source="shadow"))
+
     for turn, calls in enumerate(task.ground_truth):
-        executed = []
-        for gold in replay_ground_truth(task, env, turn, states=True):
+        executed, golds = [], []
+        for gold in replay_ground_truth(task, env, turn, states=True, before=before):
             # The call in schema order: what the constrained Act writes (BFCL's strings sometimes differ).
             branch = Branch(index=0, action_text=call_text(gold.call), kind="call", call=gold.call,
                             actual=gold.result.output, actual_error=gold.result.error, actual_source="committed",
                             chosen=True)
-            ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[branch], chosen=0, kind="call",
-                                 state_before=gold.state_before, state_after=gold.state_after, external_calls=1))
+            ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[branch, *explored], chosen=0, kind="call",
+                                 state_before=gold.state_before, state_after=gold.state_after, external_calls=1,
+                                 shadow_calls=len(explored)))
             executed.append((gold.name, gold.arguments, gold.result.output))
-        answer = Branch(index=0, action_text=FINAL_ANSWER, kind="answer", chosen=True)
+            golds.append(gold)
+        answer = Branch(index=0, action_text=final_answer(golds), kind="answer", chosen=True)
         state = env.state()
         ep.steps.append(Step(index=len(ep.steps), turn=turn, branches=[answer], chosen=0, kind="answer",
                              state_before=state, state_after=state))
@@ -90,7 +115,74 @@ def expert_episode(task: Task) -> Episode:
     ep.status, ep.finished_at = "finished", utcnow()
     ep.success = all(t.success for t in ep.turn_results)
     ep.external_calls = sum(s.external_calls for s in ep.steps)
+    ep.shadow_calls = sum(s.shadow_calls for s in ep.steps)
     return ep
+
+
+def _flat(value: Any) -> str:
+    """A result value as a person reads it: strings bare, lists comma-separated, objects as `key: value`."""
+    if value in ("", [], {}, None):
+        return "none"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_flat(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(_flat(v) for v in value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def final_answer(calls: Iterable[GoldCall]) -> str:
+    """The expert's reply at a turn's end, built from the turn's real results (kept under `ANSWER_CHARS`): what the
+    read-only calls found ("Done. wc returned count: 9, type: words."), else what the last call that answered
+    something said, else `FINAL_ANSWER`. A person reads what the agent concluded; a question gets its data."""
+    done = [g for g in calls if g.result is not None and g.result.output not in (None, {}, [], "")]
+    read = [g for g in done if g.tool is not None and g.tool.read_only]
+    shown = read or done[-1:]
+    if not shown:
+        return FINAL_ANSWER
+    parts = [f"{g.name} {'failed: ' if g.result.error else 'returned '}{_flat(g.result.output)}" for g in shown]
+    text = "Done. " + "; ".join(parts)
+    return cut(text, ANSWER_CHARS) if len(text) >= ANSWER_CHARS else text.rstrip(".") + "."
+
+
+def answer_values(calls: Iterable[GoldCall]) -> list[str]:
+    """The data a turn's read-only calls returned, as text an answer that reports it contains: every number, and
+    every string of 3 characters or more (its first 24), from successful read-only results."""
+    out: list[str] = []
+
+    def leaves(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                leaves(v)
+        elif isinstance(value, list):
+            for v in value:
+                leaves(v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(str(value))
+        elif isinstance(value, str) and len(value.strip()) >= 3:
+            out.append(value.strip()[:24])
+
+    for g in calls:
+        if g.tool is not None and g.tool.read_only and g.result is not None and not g.result.error:
+            leaves(g.result.output)
+    return out
+
+
+def as_gold(view: StepView) -> GoldCall | None:
+    """A replayed step's committed call with its real result, as `final_answer` and `answer_values` read calls (None
+    for a step that committed no call)."""
+    b = view.step.chosen_branch
+    if b.kind != "call" or b.call is None or b.actual_source is None:
+        return None
+    return GoldCall(turn=view.step.turn, tools=view.tools, name=b.call.name, arguments=b.call.arguments, call=b.call,
+                    result=ToolResult(b.actual, error=bool(b.actual_error)))
+
+
+def mentions(answer: str, values: list[str]) -> bool:
+    """Whether `answer` carries any of `values` (case-insensitive)."""
+    low = answer.lower()
+    return any(v.lower() in low for v in values)
 
 
 # ---------------------------------------------------------------- rows
@@ -142,10 +234,12 @@ def episode_rows(episode: Episode, task: Task, ctx: PromptContext, *, source: st
         for b in step.branches if in_turns or rehearse_all_turns else []:
             if b.kind == "call" and b.call is not None and b.actual_source is not None:
                 examples = _row_memory(ctx, episode, b, recent, f"{ref}/{b.index}")
+                # An expert episode's unchosen branches are its explored calls (`expert_episode(explore=)`).
+                row_source = "explore" if source == "expert" and not b.chosen else source
                 rows.append(TrainRow("rehearse", view.rehearse_prompt(b.call, _row_context(ctx, episode, step,
                                                                                            f"{ref}/{b.index}"),
                                                                       episode.settings.constrain, examples),
-                                     rehearse_target(b.actual), source, f"{ref}/{b.index}"))
+                                     rehearse_target(b.actual), row_source, f"{ref}/{b.index}"))
         if ctx.memory is not None:
             recent += observed(step, task_id=episode.task_id, split=task.extra.get("split"), episode_id=episode.id,
                                tools={t.name: t for t in view.tools})
@@ -172,13 +266,19 @@ def _row_memory(ctx: PromptContext, episode: Episode, branch: Branch, recent: li
     return ctx.memory.retrieve(branch.call, scope, ctx.memory_k, recent)
 
 
-def expert_rows(task_ids: Iterable[str], ctx: PromptContext) -> tuple[list[TrainRow], list[Episode]]:
-    """Rows from the expert replays of `task_ids` (only turns the judge passed)."""
+def expert_rows(task_ids: Iterable[str], ctx: PromptContext, explore: int = 0,
+                seed: int = 0) -> tuple[list[TrainRow], list[Episode]]:
+    """Rows from the expert replays of `task_ids` (only turns the judge passed). `explore`: calls explored on forks
+    before each gold call (argument sets from these tasks' ground truth), Rehearse rows with source `explore`."""
+    from app.training.memory_seed import argument_pool
+
+    task_ids = list(task_ids)
+    pool = argument_pool(task_ids) if explore else None
     rows: list[TrainRow] = []
     episodes = []
     for task_id in task_ids:
         task = envs.load_task(task_id)
-        ep = expert_episode(task)
+        ep = expert_episode(task, explore, pool, seed)
         ok = {t.turn for t in ep.turn_results if t.success}
         if len(ok) < len(ep.turn_results):
             log.warning("expert replay of %s failed turns %s; skipping them", task_id,
@@ -300,6 +400,7 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
 
 
 __all__ = [
-    "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "act_row_prompt", "act_target",
+    "ANSWER_CHARS", "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "act_row_prompt", "act_target",
+    "answer_values", "as_gold", "final_answer", "mentions",
     "correction_rows", "episode_rows", "expert_episode", "expert_rows", "self_training_rows", "single_turn_rows",
 ]
