@@ -70,9 +70,10 @@ def no_model():
 
 def config(**overrides) -> EvalConfig:
     # relevance 0: the scripted candidates are the test's own (no tool ranking re-aims them); keep_primary off:
-    # these tests check the selectors' arithmetic (test_keep_primary_commits_the_greedy_call_... checks the rule)
+    # these tests check the selectors' arithmetic (test_keep_primary_commits_the_greedy_call_... checks the rule);
+    # the history alone in Rehearse prompts: the scripted predictions read the prompt's last lines.
     values = dict(task_ids=["mock:kv"], modes=["none", "parallel", "sequential"], branches=3, model="scripted",
-                  state_probe=8, relevance=0.0, keep_primary=False)
+                  state_probe=8, relevance=0.0, keep_primary=False, rehearsal_context="history")
     values.update(overrides)
     return EvalConfig(**values)
 

@@ -11,6 +11,7 @@ import pytest
 from app import envs
 from app.config import SHIPPED_ADAPTER, resolve_adapter, shipped_adapter
 from app.formats import parse_action
+from app.records import DEFAULT_REHEARSAL_CONTEXT
 from app.training.rows import PromptContext, expert_rows
 from model_backend.training import BASE_MODEL_ID
 
@@ -46,6 +47,9 @@ def test_the_card_shows_the_adapter_beating_the_base_on_heldout_tasks() -> None:
     text = (SHIPPED_ADAPTER / "README.md").read_text()
     assert "## Held-out results" in text and f"Episodes: {len(held['adapter']['tasks'])} tasks" in text
     assert "| tool ranking weight (relevance) | " in text and "this adapter, no tool ranking" in text
+    # The card measured the product's default Rehearse prompt, and says which prompt each column saw.
+    assert held["adapter"]["rehearsal_context"] == DEFAULT_REHEARSAL_CONTEXT
+    assert "| Rehearse prompt (rehearsal context) | " in text and c["eval_note"] in text
 
 
 def sha256(path) -> str:

@@ -28,7 +28,7 @@ def add_engine_options(p: argparse.ArgumentParser, memory: str = "off") -> None:
     p.add_argument("--no-shadow", action="store_true", help="do not shadow-execute non-chosen calls on forks")
     p.add_argument("--rehearsal-context", choices=REHEARSAL_CONTEXTS, default=DEFAULT_REHEARSAL_CONTEXT,
                    help="what the Rehearse role sees besides the call: the episode's calls and results (history), "
-                        "and with history+state the state before the call")
+                        "and with history+state the state before the call (default: %(default)s)")
     p.add_argument("--memory", choices=MEMORY_MODES, default=memory,
                    help="real transitions each Rehearse prompt retrieves: `seed` (replays of the training split's "
                         "ground truth and calls explored from its states), `online` (also every call observed "

@@ -286,6 +286,7 @@ def heldout_report(policy: Any, n_tasks: int, *, max_turns: int | None = 2, forc
     report["tasks"] = [e.task_id for e in episodes]
     report["max_turns"] = max_turns
     report["relevance"] = settings.relevance
+    report["rehearsal_context"] = settings.rehearsal_context
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report
 
@@ -625,6 +626,8 @@ def card_markdown(card: dict[str, Any]) -> str:
         ]
         lines.append("| tool ranking weight (relevance) | "
                      + " | ".join(_fmt(float(held[k].get("relevance", 0.0))) for k in cols) + " |")
+        lines.append("| Rehearse prompt (rehearsal context) | "
+                     + " | ".join(held[k].get("rehearsal_context", "history") for k in cols) + " |")
         rows = [("call accuracy", "call_accuracy"), ("tool-call rate", "call_rate"),
                 ("parse errors / step", "parse_error_rate"), ("turn success", "turn_success")]
         for label, key in rows:
@@ -639,6 +642,8 @@ def card_markdown(card: dict[str, Any]) -> str:
             for key in ("exact", "error_agree", "n"):
                 lines.append(f"| all rehearsed branches, {access}: {key} | " + " | ".join(
                     _fmt(held[k].get("rehearsal_by_access", {}).get(access, {}).get(key)) for k in cols) + " |")
+        if card.get("eval_note"):
+            lines += ["", f"Note: {card['eval_note']}"]
     lines += ["", "Full figures: `training.json`."]
     return "\n".join(lines) + "\n"
 
