@@ -43,7 +43,7 @@ from tqdm import tqdm
 from app import envs
 from app.config import DEFAULT_RELEVANCE, SHIPPED_ADAPTER
 from app.engine import EpisodeRunner
-from app.records import PROPOSALS, RunSettings
+from app.records import DEFAULT_REHEARSAL_CONTEXT, PROPOSALS, RunSettings
 from app.store import Recorder, Store
 from app.ui import render
 
@@ -334,6 +334,7 @@ def main() -> None:
                                    "native_decode": native.status(),
                                    "mode": "parallel", "selector": "logprob", "proposal": args.proposal,
                                    "relevance": args.relevance, "cold_prompts": args.cold_prompts,
+                                   "rehearsal_context": DEFAULT_REHEARSAL_CONTEXT,
                                    "tasks": task_ids, "steps_per_task": args.steps, "results": rows})
 
 

@@ -194,9 +194,14 @@ def test_state_snapshot_reaches_the_rehearse_prompt():
 
 def test_history_and_state_shows_a_rehearsal_the_state_of_its_tools_class_before_the_call():
     """Under history+state, on BFCL the Rehearse prompt shows the calling class's state as it was before the step
-    (the file `ls` will list), and no other class's; the default shows none."""
+    (the file `ls` will list), and no other class's (the default, since the shipped adapter was trained on it);
+    `history` shows none."""
     task = envs.load_task("bfcl:multi_turn_base_0")
-    assert RunSettings().rehearsal_context == "history"
+    assert RunSettings().rehearsal_context == "history+state"
+    plain = ScriptedPolicy([[call("ls")]])
+    EpisodeRunner(task, plain, RunSettings(mode="parallel", branches=1, shadow=False,
+                                           rehearsal_context="history")).step()
+    assert "Environment state" not in plain.rehearse_calls[0][0].messages[-1]["content"]
     policy = ScriptedPolicy([[call("ls")], [call("mkdir", dir_name="newdir")], [call("ls")]])
     r = EpisodeRunner(task, policy, RunSettings(mode="parallel", branches=1, shadow=False,
                                                 rehearsal_context="history+state"))

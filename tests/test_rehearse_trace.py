@@ -86,12 +86,14 @@ def _rehearse(store, policy, ids, adapter, **kw):
 
 
 def test_rehearsal_predicts_every_recorded_call_teacher_forced(store, policies):
-    spy = Spy(policies[SHIPPED])
-    result = _rehearse(store, spy, [THREE], SHIPPED)
+    # The base weights: the teacher-forcing check below needs a prediction that differs from the recorded response,
+    # and the shipped adapter may get all three right.
+    spy = Spy(policies[None])
+    result = _rehearse(store, spy, [THREE], None)
     source = store.get_episode(THREE)
-    rehearsal = store.get_episode(rehearsal_id(THREE, "embedded", SHIPPED))
+    rehearsal = store.get_episode(rehearsal_id(THREE, "embedded", None))
     assert result.rehearsals == [rehearsal.id] and result.calls == 3 and not result.replaced
-    assert rehearsal.source_episode == THREE and rehearsal.model == "embedded" and rehearsal.adapter == SHIPPED
+    assert rehearsal.source_episode == THREE and rehearsal.model == "embedded" and rehearsal.adapter is None
     assert [s.index for s in rehearsal.steps] == [s.index for s in source.steps]
     for recorded, step in zip(source.steps, rehearsal.steps):
         b = step.chosen_branch
@@ -113,7 +115,7 @@ def test_rehearsal_predicts_every_recorded_call_teacher_forced(store, policies):
             assert f"{call_text(b.call)} -> {short_json(b.actual, 200)}" in text
             if b.metrics.json_valid and not b.metrics.exact:
                 assert f"{call_text(b.call)} -> {short_json(b.predicted, 200)}" not in text
-    assert any(not s.chosen_branch.metrics.exact for s in rehearsal.steps[:2]), \
+    assert any(s.chosen_branch.metrics.json_valid and not s.chosen_branch.metrics.exact for s in rehearsal.steps[:2]), \
         "no earlier prediction differed from the recorded response: the teacher-forcing check above proved nothing"
     # The recorded results joined the rehearsal memory, tied to the source episode.
     remembered = [t for t in store.transitions() if t.episode_id == THREE]
@@ -130,8 +132,10 @@ def test_alternatives_are_rehearsed_without_an_actual_response(store, policies):
     step = store.get_episode(result.rehearsals[0]).steps[0]
     recorded, others = step.branches[0], step.branches[1:]
     assert recorded.chosen and recorded.actual_source == "committed" and recorded.metrics.exact is not None
-    # Two proposals (greedy, sampled); one equal to the recorded call folds into it as a duplicate.
-    assert len(others) + recorded.duplicates == 2 and result.alternatives == len(others)
+    # Two proposals (greedy, sampled); one equal to the recorded call folds into it as a duplicate, and two equal
+    # to each other fold into one branch.
+    assert len(others) + recorded.duplicates + sum(b.duplicates for b in others) == 2
+    assert result.alternatives == len(others)
     for b in others:
         assert not b.chosen and b.actual is None and b.actual_source is None
         assert b.metrics.exact is None and b.metrics.field_f1 is None
