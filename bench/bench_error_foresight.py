@@ -21,9 +21,8 @@ from common import ROOT, write_results
 sys.path.insert(0, str(ROOT))
 
 from app import envs  # noqa: E402
-from app.engine.replay import replay  # noqa: E402
 from app.training.agent import SHIPPED_ADAPTER, rollout_settings, run_episode  # noqa: E402
-from app.training.rows import answer_values, as_gold, mentions  # noqa: E402
+from app.training.rows import mentions, turn_ends  # noqa: E402
 from model_backend import load_policy  # noqa: E402
 
 CANDIDATE = ROOT / "fixtures" / "adapters" / "candidates" / "envace-smollm2-135m-state"
@@ -34,17 +33,11 @@ DEFAULT_RUNS = (f"shipped={SHIPPED_ADAPTER}@history,candidate={CANDIDATE}@histor
 def turn_answers(episode) -> list[dict]:
     """Each plain answer of the episode, and whether it carries the data its turn's own read-only calls returned
     (`rows.answer_values`: a question turn when there is any)."""
-    task = envs.load_task(episode.task_id)
-    out, calls = [], []
-    for view in replay(episode, task):
-        gold = as_gold(view)
-        if gold is not None:
-            calls.append(gold)
-        elif view.step.chosen_branch.kind == "answer":
-            values = answer_values([g for g in calls if g.turn == view.step.turn])
-            text = view.step.chosen_branch.action_text
-            out.append({"task": episode.task_id, "turn": view.step.turn, "text": text, "question": bool(values),
-                        "mentions": bool(values) and mentions(text, values)})
+    out = []
+    for view, values in turn_ends(episode, envs.load_task(episode.task_id)):
+        text = view.step.chosen_branch.action_text
+        out.append({"task": episode.task_id, "turn": view.step.turn, "text": text, "question": bool(values),
+                    "mentions": bool(values) and mentions(text, values)})
     return out
 
 

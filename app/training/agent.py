@@ -219,10 +219,8 @@ def forced_answers(policy: Any, task_ids: list[str], settings: RunSettings | Non
     the same history): does it answer (rather than call again), and on question turns (turns whose read-only calls
     returned data, `rows.answer_values`) does the answer carry that data (`rows.mentions`)? `constant`: answers
     that are the old fixed reply (`FINAL_ANSWER`). `details` receives one dict per turn."""
-    from app.engine.replay import GoldCall
     from app.formats import ACT_STOP, parse_action
-    from app.training.rows import FINAL_ANSWER, act_row_prompt, answer_values, as_gold
-    from app.training.rows import mentions as carries
+    from app.training.rows import FINAL_ANSWER, act_row_prompt, mentions, turn_ends
     from model_backend.base import GenerationConfig
 
     settings = settings or RunSettings()
@@ -231,28 +229,22 @@ def forced_answers(policy: Any, task_ids: list[str], settings: RunSettings | Non
     prompts = []
     for task_id in task_ids:
         task = envs.load_task(task_id)
-        golds: list[GoldCall] = []
-        for view in replay(expert_episode(task), task):
-            gold = as_gold(view)
-            if gold is not None:
-                golds.append(gold)
-            elif view.step.chosen_branch.kind == "answer":
-                prompts.append(act_row_prompt(view, ctx))
-                items.append((task_id, view.step.turn, answer_values([g for g in golds if g.turn == view.step.turn])))
+        for view, values in turn_ends(expert_episode(task), task):
+            prompts.append(act_row_prompt(view, ctx))
+            items.append((task_id, view.step.turn, values))
     config = GenerationConfig(max_new_tokens=settings.max_action_tokens, temperature=0.0, stop=ACT_STOP)
     answered = questions = carried = constant = 0
     for i in tqdm(range(0, len(prompts), batch), desc="forced answers", unit="batch", leave=False):
         for gen, (task_id, turn, values) in zip(policy.act_each(prompts[i:i + batch], config), items[i:i + batch]):
-            action = parse_action(gen.text)
-            is_answer = action.kind == "answer"
+            is_answer = parse_action(gen.text).kind == "answer"
+            carries = bool(values) and is_answer and mentions(gen.text, values)
             answered += is_answer
             constant += is_answer and gen.text.strip() == FINAL_ANSWER
-            if values:
-                questions += 1
-                carried += is_answer and carries(gen.text, values)
+            questions += bool(values)
+            carried += carries
             if details is not None:
                 details.append({"task": task_id, "turn": turn, "text": gen.text, "answer": is_answer,
-                                "question": bool(values), "mentions": bool(values) and is_answer and carries(gen.text, values)})
+                                "question": bool(values), "mentions": carries})
     n = len(prompts)
     return {"turns": n, "answered": round(answered / n, 3) if n else None, "constant": constant,
             "question_turns": questions, "mentions": round(carried / questions, 3) if questions else None}

@@ -70,10 +70,9 @@ class ExploredCall(NamedTuple):
 
 
 def explore_calls(env: Any, gold: GoldCall, pool: dict[str, list[dict[str, Any]]], rng: random.Random,
-                  n: int = EXPLORE_PER_CALL, skip_gold: bool = False) -> list[ExploredCall]:
+                  n: int = EXPLORE_PER_CALL) -> list[ExploredCall]:
     """`n` calls sampled on forks of the state `gold` meets: half the time `gold`'s own tool, else another tool
-    available there, with an argument set the pool holds for it; each with its real result. `skip_gold`: a draw
-    equal to the gold call is left out (training rows have the gold call already)."""
+    available there, with an argument set the pool holds for it; each with its real result."""
     tools = {t.name: t for t in gold.tools}
     out: list[ExploredCall] = []
     for _ in range(n if env.forkable else 0):
@@ -82,8 +81,6 @@ def explore_calls(env: Any, gold: GoldCall, pool: dict[str, list[dict[str, Any]]
         if not choices:
             continue
         other_args = rng.choice(choices)
-        if skip_gold and other == gold.name and canonical_json(other_args) == canonical_json(gold.arguments):
-            continue
         fork = env.fork()
         try:
             out.append(ExploredCall(tools.get(other), other, other_args, fork.call(other, other_args)))
@@ -147,5 +144,6 @@ def open_memory(store: Any, seed: bool = True) -> Any:
     return memory
 
 
-__all__ = ["EXPLORE_PER_CALL", "argument_pool", "ensure_seed", "ExploredCall", "explore_calls", "open_memory", "seed_transitions",
+__all__ = ["EXPLORE_PER_CALL", "ExploredCall", "argument_pool", "ensure_seed", "explore_calls", "open_memory",
+           "seed_transitions",
            "task_transitions", "training_task_ids"]

@@ -13,7 +13,7 @@ import logging
 import random
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from app import envs
 from app.engine.history import call_required
@@ -86,10 +86,10 @@ def expert_episode(task: Task, explore: int = 0, pool: dict[str, list[dict[str, 
 
     def before(gold: GoldCall) -> None:
         explored.clear()
-        for e in explore_calls(env, gold, pool or {}, rng, explore, skip_gold=True) if explore else []:
+        for e in explore_calls(env, gold, pool or {}, rng, explore) if explore else []:
             call = Call(name=e.name, arguments=in_schema_order(e.arguments, e.tool))
             if call_text(call) in {call_text(gold.call)} | {b.action_text for b in explored}:
-                continue
+                continue  # the gold call is a row already; a repeated draw is one
             explored.append(Branch(index=len(explored) + 1, action_text=call_text(call), kind="call", call=call,
                                    actual=e.result.output, actual_error=e.result.error, actual_source="shadow"))
 
@@ -177,6 +177,18 @@ def as_gold(view: StepView) -> GoldCall | None:
         return None
     return GoldCall(turn=view.step.turn, tools=view.tools, name=b.call.name, arguments=b.call.arguments, call=b.call,
                     result=ToolResult(b.actual, error=bool(b.actual_error)))
+
+
+def turn_ends(episode: Episode, task: Task) -> Iterator[tuple[StepView, list[str]]]:
+    """Each answer step of a replayed episode, with the data its turn's committed read-only calls returned
+    (`answer_values`; empty: not a question turn)."""
+    calls: list[GoldCall] = []
+    for view in replay(episode, task):
+        gold = as_gold(view)
+        if gold is not None:
+            calls.append(gold)
+        elif view.step.chosen_branch.kind == "answer":
+            yield view, answer_values([g for g in calls if g.turn == view.step.turn])
 
 
 def mentions(answer: str, values: list[str]) -> bool:
@@ -401,6 +413,6 @@ def correction_rows(episode: Episode, task: Task, corrections: dict[tuple[int, i
 
 __all__ = [
     "ANSWER_CHARS", "CorrectionError", "EXPERT_MODEL", "FINAL_ANSWER", "PromptContext", "act_row_prompt", "act_target",
-    "answer_values", "as_gold", "final_answer", "mentions",
+    "answer_values", "as_gold", "final_answer", "mentions", "turn_ends",
     "correction_rows", "episode_rows", "expert_episode", "expert_rows", "self_training_rows", "single_turn_rows",
 ]
