@@ -253,6 +253,7 @@ def main() -> None:
         ahead_first: list[float] = []  # --ahead: seconds a first step took to compute ahead (the Run tab: while
         ahead_later: list[float] = []  # the person reads the picked task), and a later one (reads the last step)
         sums = {p: 0.0 for p in PHASES}
+        first_sums = {p: 0.0 for p in PHASES}  # where a task's first step's time goes (the tool lines, cold prompts)
         for task_id in tqdm(task_ids, desc=f"K={k}"):
             task = envs.load_task(task_id)
             policy.reset_cache()
@@ -273,6 +274,8 @@ def main() -> None:
                 (later if i > 0 else first).append(totals[-1])
                 for p in PHASES:
                     sums[p] += phases[p]
+                    if i == 0:
+                        first_sums[p] += phases[p]
                 if done:
                     break
         n = len(totals)
@@ -281,6 +284,9 @@ def main() -> None:
                         "p90_s": round(sorted(totals)[int(0.9 * (n - 1))], 2),
                         "mean_phase_s": {p: round(sums[p] / n, 3) for p in PHASES},
                         "first_steps_p50_s": round(statistics.median(first), 2),
+                        "first_steps_mean_phase_s": {p: round(first_sums[p] / len(first), 3) for p in PHASES},
+                        "later_steps_mean_phase_s": {p: round((sums[p] - first_sums[p]) / max(1, len(later)), 3)
+                                                     for p in PHASES},
                         "later_steps_p50_s": round(statistics.median(later), 2), "per_step": per_step}
         if profile is not None:
             profiles[key] = top_functions(profile)

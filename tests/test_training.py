@@ -361,6 +361,31 @@ def test_train_agent_refuses_an_explore_outside_its_range(tmp_path: Path, capsys
     assert code == 2 and "--explore must be 0-4" in err and err.count("\n") == 1 and not (tmp_path / "a").exists()
 
 
+def test_act_tasks_keep_every_act_row_of_the_drawn_training_tasks_in_episode_order() -> None:
+    from app.training.agent import act_rows_of_tasks
+    from app.training.rows import expert_rows
+
+    ids = envs.list_tasks("multi_turn_base", "train")[:4]
+    rows, _ = expert_rows(ids, PromptContext(lambda t: max(1, len(t) // 4), 8192))
+    act = [r for r in rows if r.role == "act"]
+    kept = act_rows_of_tasks(act, 2, random.Random(0))
+    episodes = {r.ref.split("/", 1)[0] for r in kept}
+    assert len(episodes) == 2
+    # Every Act row of those two episodes, none of the others, in the order the replay wrote them (so a task's
+    # prompts extend each other and pack), and turn ends' answers among them.
+    assert kept == [r for r in act if r.ref.split("/", 1)[0] in episodes]
+    assert {r.target.startswith("<tool_call>") for r in kept} == {True, False}  # calls and answers
+    assert act_rows_of_tasks(act, 2, random.Random(0)) == kept  # a seeded draw
+    assert len({r.ref.split("/", 1)[0] for r in act_rows_of_tasks(act, 99, random.Random(0))}) == 4
+
+
+def test_train_agent_refuses_act_tasks_under_one(tmp_path: Path, capsys) -> None:
+    code = main(["train-agent", "--out", str(tmp_path / "a"), "--act-tasks", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--act-tasks must be at least 1" in err and err.count("\n") == 1
+    assert not (tmp_path / "a").exists()
+
+
 def test_cli_missing_db(tmp_path: Path, capsys) -> None:
     code = main(["finetune", "--db", str(tmp_path / "x.db"), "--steps", "3", "--out", str(tmp_path / "n"),
                  "--parent", "none"])

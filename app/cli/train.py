@@ -40,6 +40,9 @@ def register(sub: Any) -> None:
     p.add_argument("--rehearse-categories", default=",".join(d.rehearse_categories),
                    help="BFCL categories whose training split gives Rehearse rows (comma-separated)")
     p.add_argument("--act-rows", type=int, default=None, help="sample this many expert Act rows (default: all)")
+    p.add_argument("--act-tasks", type=int, default=None,
+                   help="instead of --act-rows: every Act row of this many sampled training tasks (each turn's "
+                        "calls and answer pack into shared sequences)")
     p.add_argument("--memory-k", type=int, default=d.memory_k,
                    help="real transitions retrieved into each Rehearse row's prompt (0: none)")
     p.add_argument("--memory-share", type=float, default=d.memory_share,
@@ -132,7 +135,7 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               parent=Path(args.parent) if args.parent else None,
                               rehearse_categories=tuple(c.strip() for c in args.rehearse_categories.split(",")
                                                         if c.strip()),
-                              act_rows=args.act_rows, memory_k=args.memory_k, memory_share=args.memory_share,
+                              act_rows=args.act_rows, act_tasks=args.act_tasks, memory_k=args.memory_k, memory_share=args.memory_share,
                               state_share=args.state_share, explore=args.explore,
                               explore_rows=args.explore_rows)
     if args.self_rounds < 0 or args.rollout_tasks < 1 or args.round1_steps < 1:
@@ -141,6 +144,8 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
     if unknown or not cfg.rehearse_categories:
         raise UserError(f"--rehearse-categories: unknown {', '.join(unknown) or '(none given)'}; "
                         f"valid: {', '.join(CATEGORIES)}")
+    if args.act_tasks is not None and args.act_tasks < 1:
+        raise UserError("--act-tasks must be at least 1")
     if not 0 <= args.explore <= 4 or (args.explore_rows is not None and args.explore_rows < 0):
         raise UserError("--explore must be 0-4 and --explore-rows 0 or more")
     if not 0 <= args.memory_k <= 8 or not 0 <= args.memory_share <= 1 or not 0 <= (args.state_share or 0) <= 1:

@@ -62,6 +62,10 @@ class AgentTrainingConfig:
     `multi_turn_base` only: the other categories' turns ask the agent to notice a missing tool or argument)."""
     act_rows: int | None = None
     """Expert Act rows sampled for round 1 (None: all)."""
+    act_tasks: int | None = None
+    """Instead of `act_rows`: every Act row of this many sampled training tasks, in episode order, so that a
+    task's steps pack into shared sequences (a turn's calls and its closing answer cost about one row) and every
+    turn end's answer (`rows.final_answer`) is in. None: as `act_rows`."""
     memory_k: int = 0
     """Transitions retrieved into each Rehearse row's prompt from the rehearsal memory's seed (never the row's
     own task's but its episode's earlier calls), as the rehearser does at run time; 0: no memory in rows."""
@@ -118,6 +122,13 @@ class RoundSummary:
 
 
 # ---------------------------------------------------------------- evaluation
+
+
+def act_rows_of_tasks(act: list[Any], n: int, rng: random.Random) -> list[Any]:
+    """Every Act row of `n` episodes drawn at random, in their order (a row's `ref` starts with its episode's id)."""
+    episodes = sorted({row.ref.split("/", 1)[0] for row in act})
+    drawn = set(rng.sample(episodes, min(n, len(episodes))))
+    return [row for row in act if row.ref.split("/", 1)[0] in drawn]
 
 
 def rollout_settings(seed: int = 0, branches: int = 2) -> RunSettings:
@@ -345,7 +356,9 @@ def train_agent(cfg: AgentTrainingConfig, report: Report = log.info,
     rows, experts = expert_rows(train_ids, ctx, cfg.explore, cfg.seed)
     other_rows, _ = expert_rows(other_ids, ctx, cfg.explore, cfg.seed) if other_ids else ([], [])
     act = [r for r in rows if r.role == "act"]
-    if cfg.act_rows is not None:
+    if cfg.act_tasks is not None:
+        act = act_rows_of_tasks(act, cfg.act_tasks, rng)
+    elif cfg.act_rows is not None:
         rng.shuffle(act)
         act = act[:cfg.act_rows]
     rehearse = [r for r in rows + other_rows if r.role == "rehearse"]
