@@ -584,3 +584,11 @@ def test_the_fine_tunes_measurements_decode_as_the_app_and_leave_the_training_mo
     assert [x for _, x in scores] == pytest.approx(reference, rel=0.02, abs=0.005)
     assert len({round(x, 3) for x in reference}) > 1  # the rows differ: a mix-up of rows would show
     assert measured.prefix_cache is not None and len(measured.prefix_cache) > 0
+
+
+def test_forced_rehearsal_groups_tau2_calls_by_domain_and_bfcl_calls_by_category() -> None:
+    from app.training.agent import _category
+
+    airline = envs.list_tasks("airline", "heldout", suite="tau2")[0]
+    assert _category(airline) == "tau2:airline"
+    assert _category("bfcl:multi_turn_miss_param_7") == "multi_turn_miss_param"

@@ -156,7 +156,10 @@ def run_episode(task_id: str, policy: Any, settings: RunSettings, max_turns: int
 
 
 def _category(task_id: str) -> str:
-    """`bfcl:multi_turn_base_12` -> `multi_turn_base`; a task id without an index is its own category."""
+    """`bfcl:multi_turn_base_12` -> `multi_turn_base`, `tau2:airline/...` -> `tau2:airline`; a task id without an
+    index is its own category."""
+    if task_id.startswith("tau2:"):
+        return task_id.split("/", 1)[0]
     name = task_id.split(":", 1)[-1]
     head, _, tail = name.rpartition("_")
     return head if tail.isdigit() else name
