@@ -134,8 +134,10 @@ ERROR_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"error": {"type
 def grammar_schema(schema: dict[str, Any], closed: bool, max_string: int | None = None) -> dict[str, Any]:
     """A tool's JSON schema cut to what a grammar needs: types, properties (in order), required,
     items and enums (BFCL writes them in descriptions as `[Enum]: [...]`); text dropped.
-    `closed`: objects allow no property beyond the listed ones (arguments; the validator
-    rejects unknown ones), else extra keys stay allowed (response docs are incomplete).
+    `closed`: objects allow no property beyond the listed ones and require the required ones (arguments; the
+    validator rejects unknown ones), else extra keys stay allowed and none is required (response docs are
+    incomplete, and a rehearsal near its token budget must be able to close its object: tau2's records list
+    every field as required and were cut open).
     `max_string`: free-text strings get this `maxLength`, so a looping string closes in time."""
     out: dict[str, Any] = {}
     kind = schema.get("type")
@@ -160,7 +162,7 @@ def grammar_schema(schema: dict[str, Any], closed: bool, max_string: int | None 
         out["properties"] = {name: grammar_schema(sub if isinstance(sub, dict) else {}, closed, max_string)
                              for name, sub in props.items()}
         required = [r for r in schema.get("required", []) or [] if r in props]
-        if required:
+        if required and closed:  # a response may stop early: near the budget a Rehearse row closes its object
             out["required"] = required
     if kind == "object" and closed:
         out["additionalProperties"] = False

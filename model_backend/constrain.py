@@ -78,13 +78,29 @@ def _closing_tokens(tokenizer: Any, in_string: bool = False) -> torch.Tensor:
                         dtype=torch.bool)
 
 
+_FINISHER_CHARS = frozenset('"}]:')
+_FINISHER_WORDS = frozenset({"null", "0", "false", "true"})
+
+
+@functools.lru_cache(maxsize=16)
+def _finishing_tokens(tokenizer: Any) -> torch.Tensor:
+    """A bool mask [len(tokenizer)] of the tokens that finish a JSON value where no closer is allowed yet: `:`
+    after a key and the shortest values (`null`, `0`, `true`, `false`, an opening `"` that closing then shuts),
+    with closers. After `"key"` or `"key":` an object cannot be closed, and a row free to write there wrote new
+    keys until its budget ran out (tau2's records, which have no response schema)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([bool(t) and (set(t) <= _FINISHER_CHARS or t.lstrip("\u0120") in _FINISHER_WORDS)
+                         for t in tokens], dtype=torch.bool)
+
+
 class RowMatcher:
     """The grammar state of one decoded row: which tokens may come next, fed token by token.
 
     With `Constraint.close_strings` (Rehearse), a string that starts to loop (a phrase at its `MAX_REPEATS`-th
     repeat in a row, `loops.repeated_phrase`) is closed and, `CLOSE_MARGIN` tokens before `budget`, the whole
     value is: where the grammar allows a closing token
-    (`"`, `}`, `]`) only those are allowed, so the prediction ends as valid JSON instead of being cut off.
+    (`"`, `}`, `]`) only those are allowed, so the prediction ends as valid JSON instead of being cut off; where it
+    allows none (after a key) only the shortest way to one (`_finishing_tokens`).
     """
 
     def __init__(self, tokenizer: Any, constraint: Constraint) -> None:
@@ -114,6 +130,11 @@ class RowMatcher:
             if bool(closing.any()):
                 self.closed += 1
                 return closing
+            if open_string(self._text) is None:  # e.g. after a key: `:` and a short value, then the closers
+                finishers = _finishing_tokens(self._tokenizer)
+                closing[:width] = mask[:width] & finishers[:width]
+                if bool(closing.any()):
+                    return closing
         return mask
 
     def _closing(self) -> bool:

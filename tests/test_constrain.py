@@ -549,6 +549,64 @@ def test_closing_inside_a_string_closes_the_string_first(tokenizer) -> None:
     assert all(set(t) <= set('"}]') for t in outside)
 
 
+def test_a_rehearsal_may_close_a_response_before_its_required_fields(tokenizer) -> None:
+    """tau2's response schemas mark every field required: near its budget a rehearsal of `get_user_details` could
+    not close `address` before writing `city`, `country`, `state` and `zip`, and was cut open. A response grammar
+    requires no field (an argument grammar still does)."""
+    from app.envs.base import Tool
+    from app.formats import act_constraint, rehearse_constraint
+    from model_backend.constrain import RowMatcher
+
+    response = {"type": "object", "required": ["address1", "city", "zip"],
+                "properties": {"address1": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}}}
+    tool = Tool("get_address", "an address", dict(response), response=response)
+    matcher = RowMatcher(tokenizer, rehearse_constraint(tool))
+    for t in tokenizer.encode('{"address1": "456 Oakwood Avenue"', add_special_tokens=False):
+        assert matcher.consume(t)
+    matcher.budget = matcher.consumed + 2
+    allowed = tokenizer.convert_ids_to_tokens(matcher.allowed(len(tokenizer)).nonzero().flatten().tolist())
+    assert "}" in allowed and all(set(t) <= set('"}]') for t in allowed)
+    assert matcher.consume(tokenizer.convert_tokens_to_ids("}"))
+    # The call's arguments keep their required fields: `}` after one of three is no call.
+    act = RowMatcher(tokenizer, act_constraint([tool], "<tool_call>"))
+    for t in tokenizer.encode('{"name": "get_address", "arguments": {"address1": "x"', add_special_tokens=False):
+        assert act.consume(t)
+    assert not act.consume(tokenizer.convert_tokens_to_ids("}"))
+
+
+@pytest.mark.parametrize("text", ['{"user": {"address": {"city": "Denver", "state',
+                                  '{"reservation": {"flights": [], "insurance":',
+                                  '{"reservation": {"flights": [{"id": 3}], "total"'])
+def test_near_the_budget_a_value_cut_after_a_key_still_closes(tokenizer, text: str) -> None:
+    """tau2 records have no response schema: a rehearsal cut after a key (where no closer is allowed) wrote new
+    keys until the budget ran out. Closing now allows only `:`, a short value and the closers there; whichever of
+    the allowed tokens a row takes (here always the lowest id, then the highest), it is complete JSON in a few."""
+    from app.formats import RESULT_CLOSE, parse_result, rehearse_constraint
+    from model_backend.constrain import RowMatcher
+
+    for pick in (min, max):
+        matcher = RowMatcher(tokenizer, rehearse_constraint(None))
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.consume(t)
+        matcher.budget = matcher.consumed + 2  # inside the closing margin
+        written = ""
+        for _ in range(16):
+            if matcher.accepting:
+                break
+            allowed = matcher.allowed(len(tokenizer)).nonzero().flatten().tolist()
+            if parse_result(text + written)[1] is not None:  # the value is still open (then the close tag)
+                texts = tokenizer.convert_ids_to_tokens(allowed)
+                assert all(set(t) <= set('"}]:') or t.lstrip("\u0120") in {"null", "0", "true", "false"}
+                           for t in texts), (text + written, [t for t in texts if not set(t) <= set('"}]:')][:8])
+            token = pick(allowed)
+            assert matcher.consume(token)
+            written += tokenizer.decode([token])
+            if written.endswith(RESULT_CLOSE):
+                break
+        value, error = parse_result(text + written)
+        assert error is None and isinstance(value, dict), (pick.__name__, written)
+
+
 @pytest.mark.parametrize("text, value", [
     ('{"note": "x</execution_result>"}</execution_result>', {"note": "x</execution_result>"}),
     ('{"a": 1}</execution_result>', {"a": 1}),
