@@ -87,7 +87,7 @@ def _finishing_tokens(tokenizer: Any) -> torch.Tensor:
     """A bool mask [len(tokenizer)] of the tokens that finish a JSON value where no closer is allowed yet: `:`
     after a key and the shortest values (`null`, `0`, `true`, `false`, an opening `"` that closing then shuts),
     with closers. After `"key"` or `"key":` an object cannot be closed, and a row free to write there wrote new
-    keys until its budget ran out (tau2's records, which have no response schema)."""
+    keys until its budget ran out (tau2's long records)."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return torch.tensor([bool(t) and (set(t) <= _FINISHER_CHARS or t.lstrip("\u0120") in _FINISHER_WORDS)
                          for t in tokens], dtype=torch.bool)

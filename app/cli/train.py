@@ -135,7 +135,8 @@ def cmd_train_agent(args: argparse.Namespace) -> int:
                               parent=Path(args.parent) if args.parent else None,
                               rehearse_categories=tuple(c.strip() for c in args.rehearse_categories.split(",")
                                                         if c.strip()),
-                              act_rows=args.act_rows, act_tasks=args.act_tasks, memory_k=args.memory_k, memory_share=args.memory_share,
+                              act_rows=args.act_rows, act_tasks=args.act_tasks, memory_k=args.memory_k,
+                              memory_share=args.memory_share,
                               state_share=args.state_share, explore=args.explore,
                               explore_rows=args.explore_rows)
     if args.self_rounds < 0 or args.rollout_tasks < 1 or args.round1_steps < 1:

@@ -121,14 +121,14 @@ class RoundSummary:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- evaluation
-
-
 def act_rows_of_tasks(act: list[Any], n: int, rng: random.Random) -> list[Any]:
     """Every Act row of `n` episodes drawn at random, in their order (a row's `ref` starts with its episode's id)."""
     episodes = sorted({row.ref.split("/", 1)[0] for row in act})
     drawn = set(rng.sample(episodes, min(n, len(episodes))))
     return [row for row in act if row.ref.split("/", 1)[0] in drawn]
+
+
+# ---------------------------------------------------------------- evaluation
 
 
 def rollout_settings(seed: int = 0, branches: int = 2) -> RunSettings:
